@@ -1,0 +1,1 @@
+"""The pure core: geometry of a GPU, placement policies, quota arithmetic. No I/O, no database."""

@@ -1,0 +1,107 @@
+"""What the service asks of a host, whatever drives it (libvirt, vendor VFIO sysfs, NVML, simulation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class DeviceBacking(StrEnum):
+    """How a claimed device exists on the host."""
+
+    MDEV = "mdev"  # mediated device (legacy or SR-IOV VF parent), hostdev type='mdev'
+    VFIO_VF = "vfio-vf"  # vGPU 17+ vendor-specific VFIO: a VF with nvidia/current_vgpu_type set
+    MIG = "mig"  # a bare MIG GPU instance (+ compute instance), created through NVML
+    PCI = "pci"  # whole-GPU passthrough, hostdev type='pci' managed='yes'
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device the controller has claimed and wants to exist on a host."""
+
+    device_id: str
+    gpu_pci: str  # the physical GPU, "0000:41:00.0"
+    backing: DeviceBacking
+    profile: str  # vGPU type name ("A100D-10C"), MIG profile ("3g.40gb") or model (passthrough)
+    start: int  # position on the GPU's axis (MIG memory slice, framebuffer GB)
+    size: int
+    uuid: str  # mdev UUID (also used as a stable id for other backings)
+    mdev_type: str | None = None  # "nvidia-558": the host's type id for `profile`, when known
+    mig_profile_id: int | None = None  # NVML GI profile id for MIG and MIG-backed vGPUs
+    placement_id: int | None = None  # mixed-size vGPU placement id
+
+
+@dataclass(frozen=True)
+class DeviceHandle:
+    """Where a created device lives, as the domain XML needs it."""
+
+    backing: DeviceBacking
+    uuid: str | None = None  # mdev UUID
+    pci_address: str | None = None  # VF or whole GPU, "0000:41:00.4"
+    gpu_instance_id: int | None = None  # MIG
+
+
+@dataclass(frozen=True)
+class HostDevice:
+    """A device found on a host, for reconcile."""
+
+    backing: DeviceBacking
+    gpu_pci: str
+    uuid: str | None = None
+    pci_address: str | None = None
+    gpu_instance_id: int | None = None
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class DomainInfo:
+    """A libvirt domain on a host, with the controller's metadata when it wrote one."""
+
+    name: str
+    uuid: str
+    active: bool
+    metadata: dict[str, str] = field(default_factory=dict)  # vm_id, tenant, device ids ("" if foreign)
+
+
+class HostDriver(Protocol):
+    """One host. Every method is idempotent where the docstring says so; failures raise HostError."""
+
+    name: str
+    simulated: bool
+
+    def create_device(self, spec: DeviceSpec) -> DeviceHandle:
+        """Make the device exist (idempotent: an existing one with this uuid is returned)."""
+        ...
+
+    def remove_device(self, spec: DeviceSpec) -> None:
+        """Remove the device (idempotent: absent is fine)."""
+        ...
+
+    def list_devices(self) -> list[HostDevice]:
+        """Devices of the controller's kinds present on the host."""
+        ...
+
+    def define_domain(self, xml: str) -> str:
+        """Define (or redefine) a persistent domain; returns its UUID."""
+        ...
+
+    def start_domain(self, name: str) -> None:
+        """Start a defined domain (idempotent)."""
+        ...
+
+    def stop_domain(self, name: str, force: bool = False) -> None:
+        """Shut down (or with force, destroy) a domain (idempotent)."""
+        ...
+
+    def undefine_domain(self, name: str) -> None:
+        """Stop if needed and undefine (idempotent: absent is fine)."""
+        ...
+
+    def list_domains(self) -> list[DomainInfo]:
+        """Every domain on the host."""
+        ...
+
+    def close(self) -> None:
+        """Release connections."""
+        ...

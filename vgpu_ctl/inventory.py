@@ -1,0 +1,232 @@
+"""Inventory files: the hosts, GPUs and pools an admin declares, parsed and checked against the catalog."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vgpu_ctl.catalog import Catalog
+from vgpu_ctl.core.geometry import Mode, geometry_for, parse_mig_layout
+from vgpu_ctl.errors import InvalidInput, InventoryError
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+PCI_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+URI_RE = re.compile(r"^(simulated|test|qemu|qemu\+[a-z]+|xen|lxc)://[^\s<>\"'`]*$")
+
+
+def check_name(field: str, value: str) -> str:
+    """A safe identifier (lower-case letters, digits, `_ . -`, at most 63); InvalidInput naming the field if not."""
+    if not NAME_RE.match(value):
+        raise InvalidInput(f"{field} {value!r} is not a safe name: use lower-case letters, digits, '_', '.', '-' "
+                           "(at most 63, starting with a letter or digit)",
+                           reasons=[{"field": field, "value": value}])
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolDecl(_Strict):
+    """A pool in an inventory file."""
+
+    name: str
+    policy: Literal["pack", "spread", "first-fit", "best-fit"] = "pack"
+    template: str | None = None
+    description: str = ""
+    demand: dict[str, float] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a safe name (lower-case letters, digits, '_', '.', '-')")
+        return v
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+\.xml\.j2", v) or (v and ".." in v):
+            raise ValueError(f"{v!r} is not a template name (a file name ending .xml.j2, no folders)")
+        return v
+
+
+class GpuDecl(_Strict):
+    """A GPU of a host in an inventory file."""
+
+    pci: str
+    model: str
+    mode: Mode = Mode.VGPU_EQUAL
+    pool: str | None = None
+    vgpu_type: str | None = None
+    mig_layout: list[str] | None = None
+
+    @field_validator("pci")
+    @classmethod
+    def _pci(cls, v: str) -> str:
+        v = v.lower()
+        if len(v) == 7:
+            v = "0000:" + v
+        if not PCI_RE.match(v):
+            raise ValueError(f"{v!r} is not a PCI address like 0000:41:00.0")
+        return v
+
+
+class HostDecl(_Strict):
+    """A host in an inventory file."""
+
+    name: str
+    uri: str
+    driver: Literal["libvirt", "simulated"] = "libvirt"
+    vgpu_backing: Literal["mdev", "vfio"] = "mdev"
+    labels: dict[str, str] = {}
+    vcpus: int = Field(ge=0)
+    memory_mib: int = Field(ge=0)
+    cpu_overcommit: float = Field(default=1.0, gt=0)
+    memory_overcommit: float = Field(default=1.0, gt=0)
+    state: Literal["active", "draining", "down"] = "active"
+    gpus: list[GpuDecl] = []
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a safe name (lower-case letters, digits, '_', '.', '-')")
+        return v
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if not URI_RE.match(v):
+            raise ValueError(f"{v!r} is not a libvirt URI (e.g. qemu+ssh://root@host/system, test:///default, "
+                             "simulated:///name)")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9_./-]{1,63}", k) or not re.fullmatch(r"[A-Za-z0-9_./:-]{0,63}", val):
+                raise ValueError(f"label {k}={val!r} must use letters, digits, '_', '.', '/', '-' (':' in values)")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_pci(self) -> HostDecl:
+        seen: set[str] = set()
+        for g in self.gpus:
+            if g.pci in seen:
+                raise ValueError(f"duplicate PCI address {g.pci} on host {self.name}")
+            seen.add(g.pci)
+        return self
+
+
+class InventoryDecl(_Strict):
+    """A whole inventory file."""
+
+    pools: list[PoolDecl] = []
+    hosts: list[HostDecl] = []
+
+
+def _line_for(root: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+            if nxt is None:
+                key_node = next((k for k, _ in node.value if getattr(k, "value", None) == key), None)
+                return key_node.start_mark.line + 1 if key_node is not None else line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _field_name(loc: Sequence[int | str]) -> str:
+    out = ""
+    for key in loc:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
+    """Read and check an inventory file; InventoryError naming file, line and field on the first problem."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InventoryError(f"inventory file {path}: cannot read: {exc.strerror}") from None
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InventoryError(f"{path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
+    try:
+        inv = InventoryDecl.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [k for k in err["loc"] if not (isinstance(k, str) and k.startswith("function-"))]
+        line = _line_for(root, loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key {loc[-1]!r}"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict | list) or err["type"] == "extra_forbidden" else f" (value {value!r})"
+        raise InventoryError(
+            f"{path}:{line}: field {_field_name(loc)}: {msg}{shown}",
+            reasons=[{"file": str(path), "line": line, "field": _field_name(loc), "error": msg}],
+        ) from None
+    _check_semantics(path, root, inv, catalog)
+    return inv
+
+
+def _check_semantics(path: Path, root: yaml.Node | None, inv: InventoryDecl, catalog: Catalog) -> None:
+    def fail(loc: list[int | str], msg: str) -> None:
+        line = _line_for(root, loc)
+        raise InventoryError(f"{path}:{line}: field {_field_name(loc)}: {msg}",
+                             reasons=[{"file": str(path), "line": line, "field": _field_name(loc), "error": msg}])
+
+    pools = set()
+    for i, p in enumerate(inv.pools):
+        if p.name in pools:
+            fail(["pools", i, "name"], f"duplicate pool {p.name!r}")
+        pools.add(p.name)
+    hosts: set[str] = set()
+    for hi, h in enumerate(inv.hosts):
+        if h.name in hosts:
+            fail(["hosts", hi, "name"], f"duplicate host {h.name!r}")
+        hosts.add(h.name)
+        for gi, g in enumerate(h.gpus):
+            here: list[int | str] = ["hosts", hi, "gpus", gi]
+            if g.model not in catalog.models:
+                fail([*here, "model"], f"unknown GPU model {g.model!r}; known: {', '.join(sorted(catalog.models))}")
+            if g.pool is not None and g.pool not in pools:
+                fail([*here, "pool"], f"unknown pool {g.pool!r}; pools in this file: {', '.join(sorted(pools))}")
+            try:
+                geom = geometry_for(catalog, g.model, g.mode)
+            except InvalidInput as exc:
+                fail([*here, "mode"], exc.message)
+            if g.vgpu_type is not None:
+                if g.mode is not Mode.VGPU_EQUAL:
+                    fail([*here, "vgpu_type"], "a pinned vgpu_type needs mode vgpu-equal")
+                if g.vgpu_type not in geom.shapes:
+                    fail([*here, "vgpu_type"], f"{g.model} has no vGPU type {g.vgpu_type!r}; known: "
+                                              f"{', '.join(sorted(geom.shapes))}")
+            if g.mig_layout is not None:
+                if g.mode is not Mode.MIG:
+                    fail([*here, "mig_layout"], "a mig_layout needs mode mig")
+                try:
+                    parse_mig_layout(geom, g.mig_layout)
+                except InvalidInput as exc:
+                    fail([*here, "mig_layout"], exc.message)

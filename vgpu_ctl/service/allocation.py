@@ -1,0 +1,284 @@
+"""Claiming and releasing placements in the store: candidate queries and conditional updates.
+
+All statements run on one connection inside the caller's transaction. Every change of a GPU's occupancy is
+a compare-and-set on its `version`, and every change of usage a conditional UPDATE, so concurrent claims by
+several processes can never take the same space or pass a limit.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Table, and_, func, literal, or_, select, update
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.catalog import Catalog, ProfileKind
+from vgpu_ctl.core.geometry import Mode, Occupancy, decode_layout, encode_layout, geometry_for
+from vgpu_ctl.core.placement import GpuView, HostView, PlacementPlan, PlacementRequest
+from vgpu_ctl.errors import QuotaExceeded
+from vgpu_ctl.store.models import Device, Gpu, Host, ScopedQuota, Tenant
+
+GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
+HOST: Table = Host.__table__  # type: ignore[attr-defined]
+TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
+SCOPED: Table = ScopedQuota.__table__  # type: ignore[attr-defined]
+DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
+
+PAGE = 16
+
+
+class ClaimConflict(Exception):
+    """Another claim changed a GPU or host between reading and writing: retry."""
+
+
+def modes_for(kind: ProfileKind) -> tuple[str, ...]:
+    """The GPU modes in which a profile of this kind can be placed."""
+    return {
+        ProfileKind.VGPU: (Mode.VGPU_EQUAL.value, Mode.VGPU_MIXED.value),
+        ProfileKind.MIG: (Mode.MIG.value,),
+        ProfileKind.MIG_VGPU: (Mode.MIG.value,),
+        ProfileKind.PASSTHROUGH: (Mode.PASSTHROUGH.value,),
+    }[kind]
+
+
+def occupancy_of(catalog: Catalog, row: Mapping[str, Any]) -> Occupancy:
+    """The occupancy of a GPU row."""
+    geom = geometry_for(catalog, row["model"], row["mode"])
+    fixed = frozenset((geom.shapes[s.profile].group, s.start) for s in decode_layout(row["mig_layout"])) \
+        if row["mig_layout"] else None
+    return Occupancy(geom, decode_layout(row["layout"]), row["pinned_type"], fixed)
+
+
+def _gpu_filter(catalog: Catalog, profiles: Iterable[str]) -> Any:
+    """SQL condition: a GPU whose model and mode offer one of the profiles and that has room for it."""
+    clauses = []
+    for name in set(profiles):
+        for model in catalog.models_offering(name):
+            p = catalog.profile(model, name)
+            assert p is not None
+            for mode in modes_for(p.kind):
+                shape = geometry_for(catalog, model, mode).shape(name)
+                if shape is None:
+                    continue
+                cond = [GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= shape.size]
+                if mode == Mode.VGPU_EQUAL.value:
+                    cond.append(or_(GPU.c.active_type.is_(None), GPU.c.active_type == name))
+                    cond.append(or_(GPU.c.pinned_type.is_(None), GPU.c.pinned_type == name))
+                clauses.append(and_(*cond))
+    return or_(*clauses) if clauses else literal(False)
+
+
+def _host_filter(req: PlacementRequest) -> Any:
+    return and_(
+        HOST.c.state == "active",
+        HOST.c.used_vcpus + req.vcpus <= HOST.c.vcpus * HOST.c.cpu_overcommit,
+        HOST.c.used_memory_mib + req.memory_mib <= HOST.c.memory_mib * HOST.c.memory_overcommit,
+    )
+
+
+_GPU_COLS = (GPU.c.id, GPU.c.host_id, GPU.c.pci_address, GPU.c.model, GPU.c.mode, GPU.c.pool_id,
+             GPU.c.pinned_type, GPU.c.mig_layout, GPU.c.layout, GPU.c.version, GPU.c.free_units)
+_HOST_COLS = (HOST.c.id, HOST.c.name, HOST.c.vcpus, HOST.c.memory_mib, HOST.c.cpu_overcommit,
+              HOST.c.memory_overcommit, HOST.c.used_vcpus, HOST.c.used_memory_mib, HOST.c.state, HOST.c.labels)
+
+
+def _order(policy: str) -> list[Any]:
+    if policy == "spread":
+        return [GPU.c.free_units.desc(), HOST.c.used_vcpus, GPU.c.host_id, GPU.c.id]
+    if policy == "first-fit":
+        return [GPU.c.host_id, GPU.c.id]
+    return [GPU.c.free_units, GPU.c.host_id, GPU.c.id]
+
+
+@dataclass
+class Candidates:
+    """Candidate hosts for a request, with the versions read, for the compare-and-set."""
+
+    hosts: list[HostView]
+    versions: dict[int, int]
+
+
+def _labels(raw: Any) -> dict[str, str]:
+    return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
+
+
+def _views(conn: Connection, catalog: Catalog, rows: Sequence[Any], anti_affinity: str | None,
+           pool_names: Mapping[int, str]) -> Candidates:
+    by_host: dict[int, list[Any]] = {}
+    for r in rows:
+        by_host.setdefault(r.host_id, []).append(r)
+    hosts = conn.execute(select(*_HOST_COLS).where(HOST.c.id.in_(list(by_host)))).all() if by_host else []
+    groups: dict[int, set[str]] = {}
+    if anti_affinity and by_host:
+        from vgpu_ctl.store.models import Vm
+        vm = Vm.__table__  # type: ignore[attr-defined]
+        for hid, in conn.execute(select(vm.c.host_id).where(vm.c.anti_affinity == anti_affinity,
+                                                             vm.c.host_id.in_(list(by_host)))):
+            groups.setdefault(hid, set()).add(anti_affinity)
+    views, versions = [], {}
+    for h in hosts:
+        gpus = []
+        for r in by_host[h.id]:
+            gpus.append(GpuView(r.id, r.pci_address, occupancy_of(catalog, r._mapping),
+                                pool_names.get(r.pool_id) if r.pool_id else None))
+            versions[r.id] = r.version
+        views.append(HostView(
+            h.id, h.name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
+            h.memory_mib * h.memory_overcommit - h.used_memory_mib, tuple(gpus), h.state,
+            _labels(h.labels), frozenset(groups.get(h.id, ())), order=h.id))
+    views.sort(key=lambda v: v.order)
+    return Candidates(views, versions)
+
+
+def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_ids: Sequence[int],
+                    policy: str, pool_names: Mapping[int, str]) -> Iterable[Candidates]:
+    """Pages of candidate hosts, best first by the policy's order; each page is a few GPUs or hosts."""
+    where = and_(GPU.c.pool_id.in_(list(pool_ids)), _gpu_filter(catalog, req.profiles), _host_filter(req))
+    base = select(*_GPU_COLS).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
+    ndev = len(req.profiles)
+    offset = 0
+    while True:
+        if ndev == 1:
+            rows = conn.execute(base.order_by(*_order(policy)).limit(PAGE).offset(offset)).all()
+            if not rows:
+                return
+        else:
+            hq = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
+                  .group_by(GPU.c.host_id).having(func.count() >= ndev)
+                  .order_by(func.sum(GPU.c.free_units) if policy != "spread" else func.sum(GPU.c.free_units).desc(),
+                            GPU.c.host_id)
+                  .limit(PAGE // 2).offset(offset))
+            host_ids = [r[0] for r in conn.execute(hq)]
+            if not host_ids:
+                return
+            rows = conn.execute(base.where(GPU.c.host_id.in_(host_ids))).all()
+        yield _views(conn, catalog, rows, req.anti_affinity, pool_names)
+        offset += PAGE if ndev == 1 else PAGE // 2
+
+
+def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
+                   anti_affinity: str | None, pool_names: Mapping[int, str]) -> Candidates:
+    """Every GPU of the pools whose model offers a profile (any mode), for explaining a refusal."""
+    models = {m for p in set(profiles) for m in catalog.models_offering(p)}
+    rows = conn.execute(select(*_GPU_COLS).where(GPU.c.pool_id.in_(list(pool_ids)))).all()
+    rows = [r for r in rows if r.model in models] or rows
+    return _views(conn, catalog, rows, anti_affinity, pool_names)
+
+
+def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> bool:
+    """Add `delta` to the tenant's global usage if no limit is passed; False if one would be."""
+    values = {f"{r}_used": TENANT.c[f"{r}_used"] + n for r, n in delta.items()}
+    conds = [or_(TENANT.c[f"{r}_limit"].is_(None), TENANT.c[f"{r}_used"] + n <= TENANT.c[f"{r}_limit"])
+             for r, n in delta.items() if n > 0]
+    res = conn.execute(update(TENANT).where(TENANT.c.id == tenant_id, *conds).values(**values))
+    return res.rowcount == 1
+
+
+def charge_scoped(conn: Connection, tenant_id: int, charges: Mapping[tuple[str, str], int]) -> list[tuple[str, str]]:
+    """Add to each scoped limit row that exists; returns the (scope, resource) pairs whose limit would pass."""
+    failed = []
+    rows = conn.execute(select(SCOPED.c.scope, SCOPED.c.resource).where(SCOPED.c.tenant_id == tenant_id)).all()
+    for scope, resource in rows:
+        n = charges.get((scope, resource), 0)
+        if n == 0:
+            continue
+        res = conn.execute(update(SCOPED).where(
+            SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope, SCOPED.c.resource == resource,
+            SCOPED.c.used + n <= SCOPED.c.limit_value).values(used=SCOPED.c.used + n))
+        if res.rowcount != 1:
+            failed.append((scope, resource))
+    return failed
+
+
+def uncharge(conn: Connection, tenant_id: int, delta: Mapping[str, int],
+             scoped: Mapping[tuple[str, str], int]) -> None:
+    """Give back what a VM held (global usage and every scoped row that exists)."""
+    conn.execute(update(TENANT).where(TENANT.c.id == tenant_id)
+                 .values(**{f"{r}_used": TENANT.c[f"{r}_used"] - n for r, n in delta.items()}))
+    for (scope, resource), n in scoped.items():
+        conn.execute(update(SCOPED).where(SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope,
+                                          SCOPED.c.resource == resource).values(used=SCOPED.c.used - n))
+
+
+def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, int],
+                  scoped_failed: Sequence[tuple[str, str]], charges: Mapping[tuple[str, str], int]) -> QuotaExceeded:
+    """The error for a request that would pass a limit, naming each limit with its usage and the request."""
+    t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
+    reasons: list[dict[str, Any]] = []
+    for r, n in delta.items():
+        limit = t[f"{r}_limit"]
+        if n > 0 and limit is not None and t[f"{r}_used"] + n > limit:
+            reasons.append({"kind": "quota", "tenant": tenant, "scope": "*", "resource": r,
+                            "limit": limit, "used": t[f"{r}_used"], "requested": n})
+    for scope, resource in scoped_failed:
+        row = conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope,
+                                                SCOPED.c.resource == resource)).one()._mapping
+        reasons.append({"kind": "quota", "tenant": tenant, "scope": scope, "resource": resource,
+                        "limit": row["limit_value"], "used": row["used"], "requested": charges[(scope, resource)]})
+    text = "; ".join(f"{x['resource']}{'' if x['scope'] == '*' else ' in pool ' + x['scope']}: "
+                     f"{x['used']} used + {x['requested']} requested > limit {x['limit']}" for x in reasons)
+    return QuotaExceeded(f"tenant {tenant!r} is over quota: {text}", reasons=reasons)
+
+
+def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
+    """Take vCPUs and memory on the host if it is active and has room (overcommit applied)."""
+    res = conn.execute(update(HOST).where(
+        HOST.c.id == host_id, HOST.c.state == "active",
+        HOST.c.used_vcpus + vcpus <= HOST.c.vcpus * HOST.c.cpu_overcommit,
+        HOST.c.used_memory_mib + memory_mib <= HOST.c.memory_mib * HOST.c.memory_overcommit,
+    ).values(used_vcpus=HOST.c.used_vcpus + vcpus, used_memory_mib=HOST.c.used_memory_mib + memory_mib))
+    if res.rowcount != 1:
+        raise ClaimConflict(f"host {host_id} changed")
+
+
+def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
+    """Give back a VM's vCPUs and memory."""
+    conn.execute(update(HOST).where(HOST.c.id == host_id).values(
+        used_vcpus=HOST.c.used_vcpus - vcpus, used_memory_mib=HOST.c.used_memory_mib - memory_mib))
+
+
+def write_gpu(conn: Connection, gpu_id: int, version: int, occ: Occupancy) -> None:
+    """Store a GPU's new occupancy if nobody changed it since `version` was read."""
+    res = conn.execute(update(GPU).where(GPU.c.id == gpu_id, GPU.c.version == version).values(
+        layout=encode_layout(occ.slots), free_units=occ.free_units,
+        active_type=occ.slots[0].profile if occ.geometry.homogeneous and occ.slots else None,
+        device_count=len(occ.slots), version=GPU.c.version + 1))
+    if res.rowcount != 1:
+        raise ClaimConflict(f"gpu {gpu_id} changed")
+
+
+def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: PlacementPlan,
+                   backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
+    """Insert a device row per planned vGPU; the unique position and the overlap trigger guard them."""
+    rows = []
+    for d in plan.devices:
+        shape = plan.occupancies[d.gpu_id].geometry.shapes[d.profile]
+        dev_id = str(uuid.uuid4())
+        rows.append({"id": dev_id, "gpu_id": d.gpu_id, "vm_id": vm_id, "profile": d.profile,
+                     "kind": shape.kind.value, "start": d.start, "size": d.size,
+                     "framebuffer_mib": shape.framebuffer_mib, "uuid": dev_id, "backing": backing_of[d.gpu_id],
+                     "handle": {}, "state": "claimed"})
+    conn.execute(DEVICE.insert(), rows)
+    return rows
+
+
+def free_devices(conn: Connection, catalog: Catalog, devices: Sequence[Mapping[str, Any]]) -> None:
+    """Delete device rows and take their slots off their GPUs (compare-and-set, retried on conflict)."""
+    for gpu_id in {d["gpu_id"] for d in devices}:
+        starts = {d["start"] for d in devices if d["gpu_id"] == gpu_id}
+        for _ in range(20):
+            row = conn.execute(select(*_GPU_COLS).where(GPU.c.id == gpu_id)).one()
+            occ = occupancy_of(catalog, row._mapping)
+            for s in starts:
+                if any(x.start == s for x in occ.slots):
+                    occ = occ.remove(s)
+            try:
+                write_gpu(conn, gpu_id, row.version, occ)
+                break
+            except ClaimConflict:
+                continue
+    conn.execute(DEVICE.delete().where(DEVICE.c.id.in_([d["id"] for d in devices])))

@@ -1,0 +1,551 @@
+"""The Controller: the typed API every interface uses. It owns transactions and the order of side effects."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Table, select
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from vgpu_ctl.catalog import Catalog, ProfileInfo, load_catalog
+from vgpu_ctl.core.placement import PlacementPlan, PlacementRequest, explain, get_policy, plan
+from vgpu_ctl.errors import (
+    Conflict,
+    InvalidInput,
+    NoCapacity,
+    NotFound,
+    PermissionDenied,
+)
+from vgpu_ctl.inventory import InventoryDecl, check_name, parse_inventory
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
+from vgpu_ctl.service.quotas import VM, set_limits, usage_report
+from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
+from vgpu_ctl.store import migrate
+from vgpu_ctl.store.engine import is_sqlite, make_engine, state_dir
+
+TOKEN_ENV = "VGPU_CTL_TOKEN"
+MAX_RETRIES = 30
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the admin (store access) or one tenant (by token)."""
+
+    actor: str
+    tenant_id: int | None = None
+    tenant: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        """True for the admin."""
+        return self.tenant_id is None
+
+
+def hash_token(token: str) -> str:
+    """The stored form of a tenant token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Controller:
+    """vgpu-ctl's service API: inventory, tenants and quotas, VM placement and lifecycle."""
+
+    def __init__(self, url: str | None = None, *, engine: Engine | None = None, catalog: Catalog | None = None,
+                 token: str | None = None, actor: str | None = None, host_factory: Any = None,
+                 state_path: Path | None = None, init: bool = True) -> None:
+        self.engine = engine or make_engine(url)
+        self.catalog = catalog or load_catalog()
+        self.state_path = state_path or state_dir()
+        if init:
+            self.init()
+        from vgpu_ctl.service.hosts import HostFactory
+        self.hosts = host_factory or HostFactory(self.state_path)
+        self.principal = self._principal(token, actor)
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def init(self) -> str:
+        """Create or upgrade the store's schema; the revision it is at."""
+        migrate.upgrade(self.engine)
+        return migrate.head_revision()
+
+    @contextmanager
+    def tx(self) -> Iterator[Connection]:
+        """One transaction (SQLite: taken with BEGIN IMMEDIATE)."""
+        with self.engine.begin() as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Release database connections and host connections."""
+        self.hosts.close()
+        self.engine.dispose()
+
+    def _principal(self, token: str | None, actor: str | None) -> Principal:
+        if not token:
+            return Principal(actor or "admin")
+        with self.engine.connect() as conn:
+            row = conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)
+                               .where(alloc.TENANT.c.token_hash == hash_token(token))).first()
+        if row is None:
+            raise PermissionDenied("the tenant token is not valid (wrong or revoked); ask the admin for a new one "
+                                   "(vgpuctl tenant token TENANT)")
+        return Principal(actor or f"tenant:{row.name}", row.id, row.name)
+
+    def _admin(self, what: str) -> None:
+        if not self.principal.is_admin:
+            raise PermissionDenied(f"{what} is an admin command; tenant {self.principal.tenant!r} may not run it")
+
+    def _tenant_row(self, conn: Connection, name: str) -> Any:
+        row = conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.name == name)).first()
+        if row is None or (self.principal.tenant_id is not None and row.id != self.principal.tenant_id):
+            raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
+        return row
+
+    def _pool_row(self, conn: Connection, name: str) -> Any:
+        row = conn.execute(select(POOL).where(POOL.c.name == name)).first()
+        if row is None:
+            known = ", ".join(r[0] for r in conn.execute(select(POOL.c.name).order_by(POOL.c.name)))
+            raise NotFound(f"pool {name!r} not found (known: {known or 'none'})",
+                           reasons=[{"field": "pool", "value": name}])
+        return row
+
+    # -- catalog and inventory --------------------------------------------------------------------------------
+
+    def profiles(self, model: str | None = None) -> list[ProfileInfo]:
+        """The catalog's profiles, of one model or all."""
+        return self.catalog.profiles(model)
+
+    def apply_inventory(self, path: Path, dry_run: bool = False) -> list[dict[str, Any]]:
+        """Make the store match an inventory file; the changes (none made with dry_run)."""
+        self._admin("inventory apply")
+        inv = parse_inventory(path, self.catalog)
+        return self.apply_declaration(inv, dry_run=dry_run, source=str(path))
+
+    def apply_declaration(self, inv: InventoryDecl, dry_run: bool = False, source: str = "api") -> list[dict[str, Any]]:
+        """Make the store match a parsed inventory; the changes (none made with dry_run)."""
+        self._admin("inventory apply")
+        conn_cm = self.engine.connect()
+        with conn_cm as conn:
+            trans = conn.begin()
+            try:
+                changes = apply_inventory(conn, self.catalog, inv)
+                if dry_run:
+                    trans.rollback()
+                else:
+                    if changes:
+                        record(conn, self.principal.actor, "inventory.apply", source,
+                               params={"changes": len(changes)})
+                    trans.commit()
+            except BaseException:
+                trans.rollback()
+                raise
+        return changes
+
+    def inventory(self) -> dict[str, Any]:
+        """Pools, hosts and GPUs as the store holds them."""
+        self._admin("inventory show")
+        with self.engine.connect() as conn:
+            pools = {r.id: r.name for r in conn.execute(select(POOL))}
+            hosts = []
+            for h in conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all():
+                gpus = [{"pci": g.pci_address, "model": g.model, "mode": g.mode, "pool": pools.get(g.pool_id),
+                         "vgpu_type": g.pinned_type, "layout": g.layout, "devices": g.device_count,
+                         "free_units": g.free_units, "axis_units": g.axis_units}
+                        for g in conn.execute(select(alloc.GPU).where(alloc.GPU.c.host_id == h.id)
+                                              .order_by(alloc.GPU.c.pci_address))]
+                hosts.append({"name": h.name, "uri": h.uri, "driver": h.driver,
+                              "simulated": h.driver == "simulated", "state": h.state, "labels": h.labels,
+                              "vcpus": h.vcpus, "memory_mib": h.memory_mib, "used_vcpus": h.used_vcpus,
+                              "used_memory_mib": h.used_memory_mib, "gpus": gpus})
+            pool_list = [{"name": r.name, "policy": r.policy, "template": r.template, "description": r.description}
+                         for r in conn.execute(select(POOL).order_by(POOL.c.name))]
+        return {"pools": pool_list, "hosts": hosts}
+
+    def pools(self) -> list[dict[str, Any]]:
+        """Each pool with its policy, GPU count and the profiles it offers."""
+        from vgpu_ctl.core.geometry import geometry_for
+        with self.engine.connect() as conn:
+            out = []
+            for p in conn.execute(select(POOL).order_by(POOL.c.name)).all():
+                gpus = conn.execute(select(alloc.GPU.c.model, alloc.GPU.c.mode)
+                                    .where(alloc.GPU.c.pool_id == p.id)).all()
+                offered = sorted({s for m, mode in set(gpus) for s in geometry_for(self.catalog, m, mode).shapes})
+                out.append({"name": p.name, "policy": p.policy, "gpus": len(gpus), "profiles": offered,
+                            "template": p.template, "description": p.description})
+        return out
+
+    # -- tenants and quotas -----------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str) -> dict[str, Any]:
+        """Add a tenant (no limits: everything unlimited until quotas are set)."""
+        self._admin("tenant create")
+        check_name("tenant", name)
+        try:
+            with self.tx() as conn:
+                conn.execute(alloc.TENANT.insert().values(name=name))
+                record(conn, self.principal.actor, "tenant.create", name, tenant=name)
+        except IntegrityError:
+            raise Conflict(f"tenant {name!r} already exists", reasons=[{"field": "tenant", "value": name}]) from None
+        return {"name": name}
+
+    def list_tenants(self) -> list[dict[str, Any]]:
+        """Tenants (a tenant caller sees only itself)."""
+        with self.engine.connect() as conn:
+            q = select(alloc.TENANT).order_by(alloc.TENANT.c.name)
+            if self.principal.tenant_id is not None:
+                q = q.where(alloc.TENANT.c.id == self.principal.tenant_id)
+            return [{"name": t.name, "vms": t.vms_used, "vgpus": t.vgpus_used,
+                     "framebuffer_mib": t.framebuffer_mib_used, "has_token": t.token_hash is not None}
+                    for t in conn.execute(q)]
+
+    def delete_tenant(self, name: str) -> None:
+        """Remove a tenant that has no VMs."""
+        self._admin("tenant delete")
+        with self.tx() as conn:
+            t = self._tenant_row(conn, name)
+            vms = [r[0] for r in conn.execute(select(VM.c.name).where(VM.c.tenant_id == t.id))]
+            if vms:
+                raise Conflict(f"tenant {name!r} still has VMs: {', '.join(sorted(vms))}; delete them first",
+                               reasons=[{"tenant": name, "vms": sorted(vms)}])
+            conn.execute(alloc.SCOPED.delete().where(alloc.SCOPED.c.tenant_id == t.id))
+            conn.execute(alloc.TENANT.delete().where(alloc.TENANT.c.id == t.id))
+            record(conn, self.principal.actor, "tenant.delete", name, tenant=name)
+
+    def issue_token(self, name: str) -> str:
+        """A new API token for the tenant (the previous one stops working); only its hash is stored."""
+        self._admin("tenant token")
+        token = f"vgt_{secrets.token_urlsafe(32)}"
+        with self.tx() as conn:
+            t = self._tenant_row(conn, name)
+            conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=hash_token(token)))
+            record(conn, self.principal.actor, "tenant.token", name, tenant=name)
+        return token
+
+    def revoke_token(self, name: str) -> None:
+        """Revoke the tenant's API token."""
+        self._admin("tenant token --revoke")
+        with self.tx() as conn:
+            t = self._tenant_row(conn, name)
+            conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=None))
+            record(conn, self.principal.actor, "tenant.token.revoke", name, tenant=name)
+
+    def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None) -> dict[str, Any]:
+        """Set (int) or clear (None) limits of a tenant, globally or within one pool. Keys: vms, vgpus,
+        framebuffer_mib, vcpus, memory_mib, profile:NAME."""
+        self._admin("quota set")
+        for key in limits:
+            if key.startswith("profile:") and key[8:] not in self.catalog.profile_names():
+                raise InvalidInput(f"unknown profile {key[8:]!r} in --profile", reasons=[{"field": "profile",
+                                                                                        "value": key[8:]}])
+        with self.tx() as conn:
+            t = self._tenant_row(conn, tenant)
+            if pool is not None:
+                self._pool_row(conn, pool)
+            changes = set_limits(conn, t.id, pool or "*", limits)
+            record(conn, self.principal.actor, "quota.set", tenant, tenant=tenant,
+                   params={"pool": pool, "limits": changes})
+        return changes
+
+    def tenant_usage(self, tenant: str) -> list[dict[str, Any]]:
+        """Each limit of the tenant with its usage."""
+        with self.engine.connect() as conn:
+            t = self._tenant_row(conn, tenant)
+            return usage_report(conn, t.id)
+
+    # -- VMs --------------------------------------------------------------------------------------------------
+
+    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any]) -> None:
+        from vgpu_ctl.core.geometry import geometry_for
+        names = self.catalog.profile_names()
+        offered: set[str] = set()
+        for p in pools:
+            for m, mode in set(conn.execute(select(alloc.GPU.c.model, alloc.GPU.c.mode)
+                                            .where(alloc.GPU.c.pool_id == p.id)).all()):
+                offered |= set(geometry_for(self.catalog, m, mode).shapes)
+        if not req.vgpus:
+            raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
+        for v in req.vgpus:
+            if v.profile not in names:
+                raise InvalidInput(f"unknown profile {v.profile!r} (see vgpuctl profiles list)",
+                                   reasons=[{"field": "profile", "value": v.profile}])
+            if v.profile not in offered:
+                where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
+                raise InvalidInput(f"profile {v.profile!r} is not offered by {where}",
+                                   reasons=[{"field": "profile", "value": v.profile}])
+
+    def _framebuffer(self, profile: str) -> int:
+        model = self.catalog.models_offering(profile)[0]
+        p = self.catalog.profile(model, profile)
+        assert p is not None
+        return p.framebuffer_mib
+
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: bool = False, provision: bool = True) -> Any:
+        """Place a VM with vGPUs and claim them in one transaction; then (unless dry_run) create its devices
+        and domain. Returns VmInfo, or a Placement with dry_run. QuotaExceeded / NoCapacity explain a refusal."""
+        if isinstance(vgpus, str):
+            vgpus = [VgpuRequest(vgpus, 1)]
+        wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
+        req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
+                        idempotency_key, template)
+        req.validate()
+        vm_id = self._claim(req, dry_run)
+        if dry_run:
+            assert isinstance(vm_id, Placement)
+            return vm_id
+        assert isinstance(vm_id, str)
+        if provision:
+            from vgpu_ctl.service.provision import provision_vm
+            provision_vm(self, vm_id)
+        return self.get_vm(vm_id)
+
+    def _claim(self, req: VmRequest, dry_run: bool) -> str | Placement:
+        for attempt in range(MAX_RETRIES):
+            try:
+                return self._claim_once(req, dry_run)
+            except (alloc.ClaimConflict, OperationalError) as exc:
+                if isinstance(exc, OperationalError) and "lock" not in str(exc).lower() \
+                        and "deadlock" not in str(exc).lower() and "serializ" not in str(exc).lower():
+                    raise
+                time.sleep(0.001 * (attempt + 1))
+            except IntegrityError as exc:
+                if req.idempotency_key and "idempotency" in str(exc):
+                    return self._by_idempotency(req)
+                if "vm_tenant_name_unique" in str(exc) or ("UNIQUE" in str(exc) and "vm.tenant_id" in str(exc)):
+                    raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
+                                   reasons=[{"field": "name", "value": req.name}]) from None
+                if "overlap" in str(exc) or "device_position" in str(exc) or "gpu_id" in str(exc):
+                    time.sleep(0.001 * (attempt + 1))
+                    continue
+                raise
+        raise Conflict("too many concurrent claims on the same GPUs; try again")
+
+    def _by_idempotency(self, req: VmRequest) -> str:
+        with self.engine.connect() as conn:
+            t = self._tenant_row(conn, req.tenant)
+            row = conn.execute(select(VM.c.id).where(VM.c.tenant_id == t.id,
+                                                     VM.c.idempotency_key == req.idempotency_key)).first()
+        if row is None:
+            raise Conflict("idempotency key race; try again")
+        return str(row.id)
+
+    def _claim_once(self, req: VmRequest, dry_run: bool) -> str | Placement:
+        with self.engine.connect() as conn:
+            trans = conn.begin()
+            try:
+                result = self._claim_in(conn, req, dry_run)
+                if dry_run:
+                    trans.rollback()
+                else:
+                    trans.commit()
+                return result
+            except BaseException:
+                if trans.is_active:
+                    trans.rollback()
+                raise
+
+    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | Placement:
+        t = self._tenant_row(conn, req.tenant)
+        if req.idempotency_key:
+            row = conn.execute(select(VM.c.id).where(VM.c.tenant_id == t.id,
+                                                     VM.c.idempotency_key == req.idempotency_key)).first()
+            if row is not None:
+                return str(row.id)
+        pools = [self._pool_row(conn, req.pool)] if req.pool else \
+            conn.execute(select(POOL).order_by(POOL.c.name)).all()
+        self._check_profiles(conn, req, pools)
+        profiles = req.profiles()
+        fb = sum(self._framebuffer(p) for p in profiles)
+        delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": fb, "vcpus": req.vcpus,
+                 "memory_mib": req.memory_mib}
+        preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
+        pool_names = {p.id: p.name for p in pools}
+        reasons: list[dict[str, Any]] = []
+        for pool in pools:
+            charges = self._scoped_charges(pool.name, delta, profiles)
+            if not alloc.charge_tenant(conn, t.id, delta):
+                raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], charges)
+            if t.has_scoped_limits:
+                failed = alloc.charge_scoped(conn, t.id, charges)
+                if failed:
+                    raise alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges)
+            policy = get_policy(pool.policy, pool.demand)
+            chosen: PlacementPlan | None = None
+            versions: dict[int, int] = {}
+            for page in alloc.candidate_pages(conn, self.catalog, preq, [pool.id], pool.policy, pool_names):
+                chosen = plan(preq, page.hosts, policy)
+                if chosen is not None:
+                    versions = page.versions
+                    break
+            if chosen is None:
+                alloc.uncharge(conn, t.id, delta, charges if t.has_scoped_limits else {})
+                everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
+                                                  pool_names)
+                counts = explain(preq, everything.hosts)
+                reasons.append({"kind": "capacity", "pool": pool.name, "gpus": sum(len(h.gpus) for h in
+                                                                                    everything.hosts),
+                                "counts": counts})
+                continue
+            return self._commit_claim(conn, t, req, pool, chosen, versions, delta, charges, dry_run)
+        text = "; ".join(f"pool {r['pool']}: {r['gpus']} GPUs, " + (", ".join(
+            f"{n} {k}" for k, n in sorted(r["counts"].items())) or "none usable") for r in reasons)
+        raise NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
+                         f"{req.memory_mib} MiB): {text}", reasons=reasons)
+
+    def _scoped_charges(self, pool: str, delta: Mapping[str, int], profiles: Sequence[str]) -> dict[tuple[str, str], int]:
+        charges: dict[tuple[str, str], int] = {(pool, r): n for r, n in delta.items()}
+        for p in profiles:
+            for scope in ("*", pool):
+                charges[(scope, f"profile:{p}")] = charges.get((scope, f"profile:{p}"), 0) + 1
+        return charges
+
+    def _commit_claim(self, conn: Connection, t: Any, req: VmRequest, pool: Any, chosen: PlacementPlan,
+                      versions: Mapping[int, int], delta: Mapping[str, int],
+                      charges: Mapping[tuple[str, str], int], dry_run: bool) -> str | Placement:
+        alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
+        for gid, occ in chosen.occupancies.items():
+            alloc.write_gpu(conn, gid, versions[gid], occ)
+        host = conn.execute(select(alloc.HOST.c.vgpu_backing).where(alloc.HOST.c.id == chosen.host_id)).one()
+        backing = {gid: self._backing(occ.geometry.shapes[d.profile].kind.value, host.vgpu_backing)
+                   for d in chosen.devices for gid, occ in chosen.occupancies.items() if gid == d.gpu_id}
+        pcis = dict(conn.execute(select(alloc.GPU.c.id, alloc.GPU.c.pci_address)
+                                 .where(alloc.GPU.c.id.in_(list(chosen.occupancies)))).all())
+        placement_devices = tuple({"gpu": f"{chosen.host}/{pcis[d.gpu_id]}", "profile": d.profile,
+                                   "start": d.start, "size": d.size} for d in chosen.devices)
+        if dry_run:
+            return Placement(chosen.host, pool.name, placement_devices)
+        vm_id = str(uuid.uuid4())
+        spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
+                "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
+                "disk_gib": req.disk_gib, "network": req.network}
+        conn.execute(VM.insert().values(
+            id=vm_id, tenant_id=t.id, name=req.name, pool_id=pool.id, host_id=chosen.host_id, vcpus=req.vcpus,
+            memory_mib=req.memory_mib, framebuffer_mib=delta["framebuffer_mib"], state="placed",
+            idempotency_key=req.idempotency_key, anti_affinity=req.anti_affinity,
+            template=req.template or pool.template or "domain.xml.j2", spec=spec))
+        alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
+        record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
+               params={"name": req.name, "host": chosen.host, "pool": pool.name,
+                       "devices": list(placement_devices)})
+        return vm_id
+
+    @staticmethod
+    def _backing(kind: str, host_backing: str) -> str:
+        if kind == "passthrough":
+            return "pci"
+        if kind == "mig":
+            return "mig"
+        return "vfio-vf" if host_backing == "vfio" else "mdev"
+
+    def _vm_row(self, conn: Connection, ref: str) -> Any:
+        q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id)
+        cond = VM.c.id == ref
+        if "/" in ref:
+            tname, _, vname = ref.partition("/")
+            cond = (alloc.TENANT.c.name == tname) & (VM.c.name == vname)
+        rows = conn.execute(q.where(cond)).all()
+        if not rows and "/" not in ref:
+            rows = conn.execute(q.where(VM.c.name == ref)).all()
+        if self.principal.tenant_id is not None:
+            rows = [r for r in rows if r.tenant_id == self.principal.tenant_id]
+        if not rows:
+            raise NotFound(f"VM {ref!r} not found", reasons=[{"field": "vm", "value": ref}])
+        if len(rows) > 1:
+            raise InvalidInput(f"VM name {ref!r} is used by several tenants; use TENANT/NAME or the VM id",
+                               reasons=[{"field": "vm", "value": ref}])
+        return rows[0]
+
+    def _vm_info(self, conn: Connection, vm: Any) -> VmInfo:
+        host = conn.execute(select(alloc.HOST.c.name, alloc.HOST.c.driver)
+                            .where(alloc.HOST.c.id == vm.host_id)).first() if vm.host_id else None
+        pool = conn.execute(select(POOL.c.name).where(POOL.c.id == vm.pool_id)).scalar() if vm.pool_id else None
+        devs = conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address)
+                            .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
+                            .where(alloc.DEVICE.c.vm_id == vm.id).order_by(alloc.DEVICE.c.gpu_id,
+                                                                          alloc.DEVICE.c.start)).all()
+        devices = tuple(DeviceInfo(d.id, f"{host.name if host else '?'}/{d.pci_address}", d.gpu_id, d.profile,
+                                   d.kind, d.start, d.size, d.uuid, d.backing, d.state) for d in devs)
+        return VmInfo(vm.id, vm.name, vm.tenant_name, host.name if host else None, pool, vm.state, vm.vcpus,
+                      vm.memory_mib, vm.framebuffer_mib, devices, vm.error, vm.domain_uuid,
+                      bool(host and host.driver == "simulated"))
+
+    def get_vm(self, ref: str) -> VmInfo:
+        """One VM by id, name, or TENANT/NAME (a tenant caller sees only its own)."""
+        with self.engine.connect() as conn:
+            return self._vm_info(conn, self._vm_row(conn, ref))
+
+    def list_vms(self, tenant: str | None = None) -> list[VmInfo]:
+        """VMs, of one tenant or all (a tenant caller sees only its own)."""
+        with self.engine.connect() as conn:
+            q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(
+                alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id).order_by(alloc.TENANT.c.name, VM.c.name)
+            if tenant is not None:
+                q = q.where(VM.c.tenant_id == self._tenant_row(conn, tenant).id)
+            if self.principal.tenant_id is not None:
+                q = q.where(VM.c.tenant_id == self.principal.tenant_id)
+            return [self._vm_info(conn, vm) for vm in conn.execute(q).all()]
+
+    def release_vm(self, ref: str) -> None:
+        """Delete a VM: its domain, then its devices, then its claim and quota charge."""
+        from vgpu_ctl.service.provision import release_vm
+        with self.engine.connect() as conn:
+            vm = self._vm_row(conn, ref)
+        release_vm(self, vm.id)
+
+    def stop_vm(self, ref: str, force: bool = False) -> VmInfo:
+        """Shut down a running VM (its devices stay claimed)."""
+        from vgpu_ctl.service.provision import set_power
+        with self.engine.connect() as conn:
+            vm = self._vm_row(conn, ref)
+        set_power(self, vm.id, on=False, force=force)
+        return self.get_vm(vm.id)
+
+    def start_vm(self, ref: str) -> VmInfo:
+        """Start a stopped VM."""
+        from vgpu_ctl.service.provision import set_power
+        with self.engine.connect() as conn:
+            vm = self._vm_row(conn, ref)
+        set_power(self, vm.id, on=True)
+        return self.get_vm(vm.id)
+
+    def vm_xml(self, ref: str) -> str:
+        """The domain XML of a VM, rendered from its template and validated."""
+        from vgpu_ctl.service.provision import render_vm
+        with self.engine.connect() as conn:
+            vm = self._vm_row(conn, ref)
+            return render_vm(self, conn, vm.id)
+
+    def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """Audit events, newest last (a tenant caller sees only its own)."""
+        from vgpu_ctl.service.audit import EVENT
+        q = select(EVENT).order_by(EVENT.c.id)
+        if self.principal.tenant is not None:
+            tenant = self.principal.tenant
+        if tenant is not None:
+            q = q.where(EVENT.c.tenant == tenant)
+        if since is not None:
+            q = q.where(EVENT.c.time >= since)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q.limit(limit)).all()
+        return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
+                 "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
+
+    @property
+    def is_sqlite(self) -> bool:
+        """True when the store is SQLite."""
+        return is_sqlite(self.engine)
+
+
+__all__ = ["BASE_RESOURCES", "Controller", "Principal"]

@@ -1,0 +1,121 @@
+"""Typed request and result objects of the service API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vgpu_ctl.errors import InvalidInput
+from vgpu_ctl.inventory import check_name
+
+BASE_RESOURCES = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
+
+
+@dataclass(frozen=True)
+class VgpuRequest:
+    """`count` vGPUs of `profile`."""
+
+    profile: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class VmRequest:
+    """Everything a tenant asks for when it requests a VM."""
+
+    tenant: str
+    name: str
+    vgpus: tuple[VgpuRequest, ...]
+    vcpus: int
+    memory_mib: int
+    pool: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    anti_affinity: str | None = None
+    idempotency_key: str | None = None
+    template: str | None = None
+    disk_gib: int = 20
+    network: str = "default"
+
+    def validate(self) -> None:
+        """InvalidInput naming the field and value of the first bad one."""
+        check_name("tenant", self.tenant)
+        check_name("name", self.name)
+        if self.pool is not None:
+            check_name("pool", self.pool)
+        if self.anti_affinity is not None:
+            check_name("anti_affinity", self.anti_affinity)
+        if self.idempotency_key is not None and not (0 < len(self.idempotency_key) <= 128
+                                                      and self.idempotency_key.isprintable()):
+            raise InvalidInput(f"idempotency_key {self.idempotency_key!r} must be 1-128 printable characters")
+        for fname, value in (("vcpus", self.vcpus), ("memory_mib", self.memory_mib), ("disk_gib", self.disk_gib)):
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidInput(f"{fname} must be a positive whole number, got {value!r}",
+                                   reasons=[{"field": fname, "value": value}])
+        for v in self.vgpus:
+            if not isinstance(v.count, int) or v.count <= 0:
+                raise InvalidInput(f"count of profile {v.profile!r} must be a positive whole number, got {v.count!r}",
+                                   reasons=[{"field": "count", "value": v.count}])
+        if sum(v.count for v in self.vgpus) > 16:
+            raise InvalidInput("a VM may hold at most 16 vGPUs", reasons=[{"field": "count"}])
+
+    def profiles(self) -> tuple[str, ...]:
+        """One profile name per vGPU."""
+        return tuple(v.profile for v in self.vgpus for _ in range(v.count))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device of a VM as the API reports it."""
+
+    id: str
+    gpu: str  # "host/0000:41:00.0"
+    gpu_id: int
+    profile: str
+    kind: str
+    start: int
+    size: int
+    uuid: str
+    backing: str
+    state: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class VmInfo:
+    """A VM as the API reports it."""
+
+    id: str
+    name: str
+    tenant: str
+    host: str | None
+    pool: str | None
+    state: str
+    vcpus: int
+    memory_mib: int
+    framebuffer_mib: int
+    devices: tuple[DeviceInfo, ...]
+    error: str | None = None
+    domain_uuid: str | None = None
+    simulated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        d = dict(self.__dict__)
+        d["devices"] = [x.to_dict() for x in self.devices]
+        return d
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a dry run (or a claim) decided."""
+
+    host: str
+    pool: str | None
+    devices: tuple[dict[str, Any], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"host": self.host, "pool": self.pool, "devices": list(self.devices)}

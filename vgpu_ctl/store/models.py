@@ -1,0 +1,199 @@
+"""The tables of the state store (SQLModel). Invariants are constraints here, not only checks in Python."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, CheckConstraint, Column, Index, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    """Now, in UTC."""
+    return datetime.now(UTC)
+
+
+class Pool(SQLModel, table=True):
+    """A named set of GPUs with a placement policy."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(unique=True, index=True)
+    policy: str = "pack"
+    template: str | None = None
+    description: str = ""
+    demand: dict[str, float] | None = Field(default=None, sa_column=Column(JSON))
+
+
+class Host(SQLModel, table=True):
+    """A KVM host. `used_*` are what placed VMs take; capacity is `vcpus * cpu_overcommit` etc."""
+
+    __table_args__ = (
+        CheckConstraint("vcpus >= 0 AND memory_mib >= 0", name="host_capacity_nonneg"),
+        CheckConstraint("cpu_overcommit > 0 AND memory_overcommit > 0", name="host_overcommit_pos"),
+        CheckConstraint("used_vcpus >= 0 AND used_memory_mib >= 0", name="host_used_nonneg"),
+        CheckConstraint("state IN ('active', 'draining', 'down')", name="host_state_known"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(unique=True, index=True)
+    uri: str
+    driver: str = "libvirt"
+    vgpu_backing: str = "mdev"
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    vcpus: int
+    memory_mib: int
+    cpu_overcommit: float = 1.0
+    memory_overcommit: float = 1.0
+    used_vcpus: int = 0
+    used_memory_mib: int = 0
+    state: str = "active"
+
+
+class Gpu(SQLModel, table=True):
+    """A physical GPU. `layout`, `free_units` and `active_type` mirror its devices and change only by
+    a conditional update on `version`, so two claims can never both take the same space."""
+
+    __table_args__ = (
+        UniqueConstraint("host_id", "pci_address", name="gpu_host_pci_unique"),
+        CheckConstraint("free_units >= 0 AND free_units <= axis_units", name="gpu_free_in_axis"),
+        CheckConstraint("mode IN ('vgpu-equal', 'vgpu-mixed', 'mig', 'passthrough', 'unmanaged')",
+                        name="gpu_mode_known"),
+        CheckConstraint("pinned_type IS NULL OR mode = 'vgpu-equal'", name="gpu_pin_equal_only"),
+        CheckConstraint("active_type IS NULL OR mode = 'vgpu-equal'", name="gpu_type_equal_only"),
+        CheckConstraint("pinned_type IS NULL OR active_type IS NULL OR active_type = pinned_type",
+                        name="gpu_active_matches_pin"),
+        Index("gpu_candidates", "pool_id", "mode", "model", "free_units"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    host_id: int = Field(foreign_key="host.id", index=True)
+    pci_address: str
+    model: str
+    mode: str
+    pool_id: int | None = Field(default=None, foreign_key="pool.id")
+    pinned_type: str | None = None
+    mig_layout: str = ""  # fixed MIG carving, compact form; "" = free carving
+    axis_units: int
+    free_units: int
+    active_type: str | None = None
+    layout: str = ""  # occupied slots, compact form (geometry.encode_layout)
+    device_count: int = 0
+    version: int = 0
+
+
+class Tenant(SQLModel, table=True):
+    """A tenant, with its global limits (NULL = unlimited) and usage. Claims update usage with a
+    conditional UPDATE on this row, so a limit can never be passed, also under concurrency."""
+
+    __table_args__ = tuple(
+        CheckConstraint(f"{r}_used >= 0", name=f"tenant_{r}_used_nonneg")
+        for r in ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
+    ) + tuple(
+        CheckConstraint(f"{r}_limit IS NULL OR {r}_limit >= 0", name=f"tenant_{r}_limit_nonneg")
+        for r in ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(unique=True, index=True)
+    token_hash: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    vms_used: int = 0
+    vgpus_used: int = 0
+    framebuffer_mib_used: int = 0
+    vcpus_used: int = 0
+    memory_mib_used: int = 0
+    vms_limit: int | None = None
+    vgpus_limit: int | None = None
+    framebuffer_mib_limit: int | None = None
+    vcpus_limit: int | None = None
+    memory_mib_limit: int | None = None
+    has_scoped_limits: bool = False
+
+
+class ScopedQuota(SQLModel, table=True):
+    """A limit of a tenant within one pool (`scope` = pool name) or on one profile (`resource` =
+    'profile:NAME', scope '*' for all pools). Rows exist only where a limit is set."""
+
+    __tablename__ = "scoped_quota"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "scope", "resource", name="scoped_quota_unique"),
+        CheckConstraint("used >= 0", name="scoped_quota_used_nonneg"),
+        CheckConstraint("limit_value >= 0", name="scoped_quota_limit_nonneg"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    scope: str
+    resource: str
+    limit_value: int
+    used: int = 0
+
+
+class Vm(SQLModel, table=True):
+    """A tenant's VM and where it is in the provisioning state machine."""
+
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", name="vm_tenant_name_unique"),
+        UniqueConstraint("tenant_id", "idempotency_key", name="vm_idempotency_unique"),
+        CheckConstraint("vcpus > 0 AND memory_mib > 0", name="vm_size_pos"),
+        CheckConstraint(
+            "state IN ('requested', 'placed', 'devices-ready', 'defined', 'running', 'stopped', "
+            "'releasing', 'failed')", name="vm_state_known"),
+    )
+
+    id: str = Field(primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    name: str
+    pool_id: int | None = Field(default=None, foreign_key="pool.id")
+    host_id: int | None = Field(default=None, foreign_key="host.id", index=True)
+    vcpus: int
+    memory_mib: int
+    framebuffer_mib: int = 0
+    state: str = "requested"
+    idempotency_key: str | None = None
+    anti_affinity: str | None = None
+    domain_uuid: str | None = None
+    template: str = "domain.xml.j2"
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    error: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class Device(SQLModel, table=True):
+    """One carved vGPU or MIG instance on a GPU, held by a VM. (gpu_id, start) is unique and positions
+    never overlap (a trigger on SQLite, an exclusion constraint on PostgreSQL)."""
+
+    __table_args__ = (
+        UniqueConstraint("gpu_id", "start", name="device_position_unique"),
+        CheckConstraint("start >= 0 AND size > 0", name="device_interval_valid"),
+        CheckConstraint("state IN ('claimed', 'ready', 'failed', 'releasing')", name="device_state_known"),
+    )
+
+    id: str = Field(primary_key=True)
+    gpu_id: int = Field(foreign_key="gpu.id", index=True)
+    vm_id: str = Field(foreign_key="vm.id", index=True)
+    profile: str
+    kind: str
+    start: int
+    size: int
+    framebuffer_mib: int
+    uuid: str
+    backing: str
+    handle: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    state: str = "claimed"
+
+
+class Event(SQLModel, table=True):
+    """The audit trail: who did what to which object, when, with what result."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    time: datetime = Field(default_factory=utcnow, index=True)
+    actor: str
+    tenant: str | None = Field(default=None, index=True)
+    action: str
+    target: str
+    params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    result: str = "ok"
+    error: str | None = None
