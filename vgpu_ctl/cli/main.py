@@ -1,0 +1,44 @@
+"""The `vgpuctl` command: global options and the command groups."""
+
+from __future__ import annotations
+
+import typer
+
+from vgpu_ctl.cli.admin import host_app, inventory_app, pool_app, profiles_app, quota_app, tenant_app
+from vgpu_ctl.cli.common import STATE, console, print_json, run
+from vgpu_ctl.cli.vm import vm_app
+
+app = typer.Typer(help="vgpu-ctl: pools of NVIDIA vGPUs on KVM hosts, handed to tenants' VMs under quotas.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+app.add_typer(profiles_app, name="profiles")
+app.add_typer(inventory_app, name="inventory")
+app.add_typer(host_app, name="host")
+app.add_typer(pool_app, name="pool")
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(quota_app, name="quota")
+app.add_typer(vm_app, name="vm")
+
+
+@app.callback()
+def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
+                                help="Store URL (default: SQLite under $VGPU_CTL_STATE_DIR or ~/.local/state)."),
+         token: str = typer.Option(None, "--token", help="Tenant API token (or $VGPU_CTL_TOKEN): act as that tenant."),
+         actor: str = typer.Option(None, "--actor", help="Name recorded in the audit trail.")) -> None:
+    """Global options."""
+    STATE.db = db
+    STATE.token = token
+    STATE.actor = actor
+
+
+@app.command("init")
+def init(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Create or upgrade the state store."""
+    def go(c: object) -> str:
+        return str(c.init())  # type: ignore[attr-defined]
+
+    rev = run(as_json, go)
+    print_json({"schema": rev}) if as_json else console.print(f"store ready (schema {rev})")
+
+
+if __name__ == "__main__":
+    app()

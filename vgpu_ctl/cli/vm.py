@@ -1,0 +1,118 @@
+"""VM commands for tenants and admins: create, delete, list, show, start, stop, xml."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from vgpu_ctl.cli.common import console, parse_mib, print_json, run
+from vgpu_ctl.errors import InvalidInput
+
+vm_app = typer.Typer(help="Virtual machines with vGPUs.", no_args_is_help=True)
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise InvalidInput(f"--label {item!r} must be KEY=VALUE", reasons=[{"field": "label", "value": item}])
+        out[k] = v
+    return out
+
+
+def print_vm(vm: Any) -> None:
+    """A VM in a few readable lines."""
+    sim = " [cyan](simulated host)[/]" if vm.simulated else ""
+    console.print(f"[bold]{vm.tenant}/{vm.name}[/] {vm.id} {vm.state} on {vm.host or '-'}{sim} pool={vm.pool} "
+                  f"vCPUs={vm.vcpus} memory={vm.memory_mib}MiB")
+    for d in vm.devices:
+        console.print(f"  {d.profile} ({d.kind}) on {d.gpu} at {d.start}+{d.size} {d.backing} {d.uuid}")
+    if vm.error:
+        console.print(f"  [red]error:[/] {vm.error}")
+
+
+@vm_app.command("create")
+def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
+              name: str = typer.Option(..., help="VM name (unique per tenant)."),
+              profile: list[str] = typer.Option(..., help="vGPU profile (repeatable for several profiles)."),
+              count: int = typer.Option(1, help="vGPUs of each profile."),
+              vcpus: int = typer.Option(..., help="vCPUs."),
+              memory: str = typer.Option(..., help="Memory, e.g. 32GiB."),
+              pool: str = typer.Option(None, help="Pool to place in (default: any)."),
+              label: list[str] = typer.Option([], help="KEY=VALUE host label required (repeatable)."),
+              anti_affinity: str = typer.Option(None, help="Group: no two VMs of it on one host."),
+              idempotency_key: str = typer.Option(None, help="Same key twice gives the same VM."),
+              template: str = typer.Option(None, help="Domain template name."),
+              dry_run: bool = typer.Option(False, "--dry-run", help="Show where it would go; claim nothing."),
+              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Request a VM with vGPUs: place, claim, create devices, define and start it."""
+    def go(c: Any) -> Any:
+        return c.request_vm(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
+                            memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
+                            anti_affinity=anti_affinity, idempotency_key=idempotency_key, template=template,
+                            dry_run=dry_run)
+
+    out = run(as_json, go)
+    if as_json:
+        print_json(out.to_dict())
+    elif dry_run:
+        console.print(f"would place on {out.host} (pool {out.pool}):")
+        for d in out.devices:
+            console.print(f"  {d['profile']} on {d['gpu']} at {d['start']}+{d['size']}")
+    else:
+        print_vm(out)
+
+
+@vm_app.command("delete")
+def vm_delete(vm: str = typer.Argument(..., help="VM id, name, or TENANT/NAME."),
+              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Delete a VM: domain, then devices, then claim and quota."""
+    run(as_json, lambda c: c.release_vm(vm))
+    print_json({"deleted": vm}) if as_json else console.print(f"VM {vm} deleted")
+
+
+@vm_app.command("list")
+def vm_list(tenant: str = typer.Option(None, help="Only this tenant's VMs."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List VMs."""
+    vms = run(as_json, lambda c: c.list_vms(tenant))
+    if as_json:
+        print_json([v.to_dict() for v in vms])
+        return
+    table = Table("tenant", "name", "state", "host", "pool", "vGPUs", "id")
+    for v in vms:
+        table.add_row(v.tenant, v.name, v.state, v.host or "-", v.pool or "-",
+                      ", ".join(d.profile for d in v.devices), v.id)
+    console.print(table)
+
+
+@vm_app.command("show")
+def vm_show(vm: str = typer.Argument(..., help="VM id, name, or TENANT/NAME."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show one VM with its devices."""
+    out = run(as_json, lambda c: c.get_vm(vm))
+    print_json(out.to_dict()) if as_json else print_vm(out)
+
+
+@vm_app.command("start")
+def vm_start(vm: str, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Start a stopped VM."""
+    out = run(as_json, lambda c: c.start_vm(vm))
+    print_json(out.to_dict()) if as_json else print_vm(out)
+
+
+@vm_app.command("stop")
+def vm_stop(vm: str, force: bool = typer.Option(False, "--force", help="Destroy instead of shutting down."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Stop a running VM (its vGPUs stay claimed)."""
+    out = run(as_json, lambda c: c.stop_vm(vm, force=force))
+    print_json(out.to_dict()) if as_json else print_vm(out)
+
+
+@vm_app.command("xml")
+def vm_xml(vm: str) -> None:
+    """Print the VM's rendered, validated domain XML."""
+    print(run(False, lambda c: c.vm_xml(vm)))
