@@ -60,7 +60,7 @@ class ProfileInfo:
         return out
 
 
-def _line_of(raw: str, loc: Sequence[int | str], data: Any) -> str:
+def _line_of(loc: Sequence[int | str], data: Any) -> str:
     """Best-effort name of the entry a pydantic error location points at (e.g. `vgpu_types[3] (A100D-8C)`)."""
     parts: list[str] = []
     node = data
@@ -79,7 +79,7 @@ def parse_model_file(path: Path) -> GpuModelSpec:
     """Read and validate one catalog file; a broken one raises CatalogError naming file, entry and field."""
     raw = path.read_text()
     try:
-        data = yaml.safe_load(raw)
+        data = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
         raise CatalogError(f"catalog file {path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -89,7 +89,7 @@ def parse_model_file(path: Path) -> GpuModelSpec:
     except ValidationError as exc:
         reasons = []
         for err in exc.errors():
-            where = _line_of(raw, err["loc"], data)
+            where = _line_of(err["loc"], data)
             reasons.append({"file": str(path), "field": where, "error": err["msg"],
                             "value": repr(err.get("input"))[:80]})
         first = reasons[0]
@@ -175,8 +175,8 @@ class Catalog:
                     max_instances=min(v.max_instances, gi.max_instances), compute_slices=gi.compute_slices,
                     memory_slices=gi.memory_slices, placements=tuple(gi.starts), size=gi.memory_slices,
                     mig_profile=gi.name, profile_id=gi.profile_id,
-                    confirmed=v.provenance.confirmed and gi.provenance.confirmed,
-                    note=v.provenance.note or gi.provenance.note,
+                    confirmed=v.provenance.confirmed and gi.provenance.confirmed and m.mig.provenance.confirmed,
+                    note=v.provenance.note or gi.provenance.note or m.mig.provenance.note,
                 ))
         if m.passthrough:
             out.append(ProfileInfo(

@@ -208,3 +208,24 @@ def quota_set(tenant: str, pool: str = typer.Option(None, help="Limit within thi
         return
     for k, v in changes.items():
         console.print(f"{tenant} {k}{' in ' + pool if pool else ''}: {'unlimited' if v is None else v}")
+
+
+def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is safe to repair."),
+                  stuck_after: float = typer.Option(300, help="Seconds after which an unfinished step is stuck."),
+                  as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Compare store and hosts: orphan devices, unknown domains, lost VMs, stuck claims; repair with --fix."""
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task("reconciling hosts", total=None)
+        report = run(as_json, lambda c: c.reconcile(fix=fix, stuck_after_seconds=stuck_after,
+                                                    progress=lambda h: bar.update(task, description=h)))
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        for f in report.findings:
+            state = "[green]fixed[/]" if f.fixed else (f"[red]failed: {f.error}[/]" if f.error else f.action)
+            console.print(f"{f.kind} {f.host} {f.target}: {f.detail} -> {state}")
+        console.print(f"{report.hosts} hosts checked, {len(report.findings)} findings")
+    if not report.clean:
+        raise typer.Exit(1)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import typer
 
-from vgpu_ctl.cli.admin import host_app, inventory_app, pool_app, profiles_app, quota_app, tenant_app
+from vgpu_ctl.cli.admin import (
+    host_app,
+    inventory_app,
+    pool_app,
+    profiles_app,
+    quota_app,
+    reconcile_cmd,
+    tenant_app,
+)
 from vgpu_ctl.cli.common import STATE, console, print_json, run
 from vgpu_ctl.cli.vm import vm_app
 
@@ -17,6 +25,7 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(quota_app, name="quota")
 app.add_typer(vm_app, name="vm")
+app.command("reconcile")(reconcile_cmd)
 
 
 @app.callback()

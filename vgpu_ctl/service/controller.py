@@ -24,6 +24,7 @@ from vgpu_ctl.errors import (
     NoCapacity,
     NotFound,
     PermissionDenied,
+    Refused,
 )
 from vgpu_ctl.inventory import InventoryDecl, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
@@ -301,7 +302,12 @@ class Controller:
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
                         idempotency_key, template)
         req.validate()
-        vm_id = self._claim(req, dry_run)
+        try:
+            vm_id = self._claim(req, dry_run)
+        except Refused as exc:
+            if not dry_run:
+                self._record_refusal(req, exc)
+            raise
         if dry_run:
             assert isinstance(vm_id, Placement)
             return vm_id
@@ -310,6 +316,14 @@ class Controller:
             from vgpu_ctl.service.provision import provision_vm
             provision_vm(self, vm_id)
         return self.get_vm(vm_id)
+
+    def _record_refusal(self, req: VmRequest, exc: Refused) -> None:
+        """Audit a refused request in its own transaction (the claim's was rolled back)."""
+        with self.tx() as conn:
+            record(conn, self.principal.actor, "vm.create", f"vm:{req.tenant}/{req.name}", tenant=req.tenant,
+                   params={"name": req.name, "profiles": list(req.profiles()), "vcpus": req.vcpus,
+                           "memory_mib": req.memory_mib, "pool": req.pool, "message": exc.message},
+                   result="refused", error=exc.code)
 
     def _claim(self, req: VmRequest, dry_run: bool) -> str | Placement:
         for attempt in range(MAX_RETRIES):
@@ -541,6 +555,14 @@ class Controller:
             rows = conn.execute(q.limit(limit)).all()
         return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
+
+    def reconcile(self, fix: bool = False, stuck_after_seconds: float = 300, progress: Any = None) -> Any:
+        """Compare store and hosts (orphan devices, unknown domains, lost VMs, stuck claims); repair with fix."""
+        self._admin("reconcile")
+        from datetime import timedelta
+
+        from vgpu_ctl.service.reconcile import reconcile
+        return reconcile(self, fix=fix, stuck_after=timedelta(seconds=stuck_after_seconds), progress=progress)
 
     @property
     def is_sqlite(self) -> bool:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: sets up the dev environment, makes sure PostgreSQL is running and reachable
+# (the store tests run on SQLite and on PostgreSQL), then pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh --dev
+source scripts/postgres.sh
+ensure_postgres
+export VGPU_CTL_TEST_PG_URL
+.venv/bin/pytest -q "$@"

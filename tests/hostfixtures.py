@@ -1,0 +1,176 @@
+"""Shared fixtures of the host tests: a libvirt test-driver node file with NVIDIA GPUs, a recording
+NodeDeviceApi, and sample domain contexts."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from lxml import etree
+
+from vgpu_ctl.errors import HostError
+from vgpu_ctl.hosts.nodedev import MdevInfo
+from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceSpec
+from vgpu_ctl.hosts.simulated import SimulatedHost
+from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress, TemplateRenderer
+
+VM_UUID = "c2177883-f1bb-47f0-914d-32a22e3a8804"
+MDEV_UUID = "aa618089-8b16-4d01-a136-25a0f3c73123"
+
+NODE_CPU = """
+  <cpu><nodes>1</nodes><sockets>1</sockets><cores>4</cores><threads>2</threads><active>8</active>
+       <mhz>3000</mhz><model>x86_64</model></cpu>
+  <memory>67108864</memory>"""
+
+
+def _mdev_types(types: Sequence[tuple[str, str, int]]) -> str:
+    if not types:
+        return ""
+    body = "".join(f"<type id='{tid}'><name>{name}</name><deviceAPI>vfio-pci</deviceAPI>"
+                   f"<availableInstances>{avail}</availableInstances></type>" for tid, name, avail in types)
+    return f"<capability type='mdev_types'>{body}</capability>"
+
+
+def pci_device(bus: int, product: str, types: Sequence[tuple[str, str, int]] = (),
+               vendor: str = "0x10de", klass: str = "0x030200", function: int = 0,
+               physical_function: int | None = None) -> str:
+    """A <device> of the test driver's node file: a PCI device at 0000:<bus>:00.<function>."""
+    pf = "" if physical_function is None else (
+        f"<capability type='phys_function'><address domain='0x0000' bus='{physical_function:#04x}' "
+        "slot='0x00' function='0x0'/></capability>")
+    return f"""
+  <device>
+    <name>pci_0000_{bus:02x}_00_{function}</name>
+    <parent>computer</parent>
+    <capability type='pci'>
+      <class>{klass}</class>
+      <domain>0</domain><bus>{bus}</bus><slot>0</slot><function>{function}</function>
+      <product id='{product}'>GPU</product>
+      <vendor id='{vendor}'>Vendor</vendor>
+      {pf}{_mdev_types(types)}
+    </capability>
+  </device>"""
+
+
+def mdev_device(uuid: str, parent: str, type_id: str) -> str:
+    """A <device> of the test driver's node file: an mdev under `parent`."""
+    return f"""
+  <device>
+    <name>mdev_{uuid.replace('-', '_')}</name>
+    <parent>{parent}</parent>
+    <capability type='mdev'><type id='{type_id}'/><uuid>{uuid}</uuid><iommuGroup number='12'/></capability>
+  </device>"""
+
+
+def write_node_file(path: Path, devices: list[str]) -> str:
+    """Write a test-driver node file holding `devices`; returns its test:/// URI."""
+    path.write_text(f"<node>{NODE_CPU}{''.join(devices)}\n</node>\n")
+    return f"test://{path.resolve()}"
+
+
+# A host with: an A100 80GB offering matched, alternative-prefix, unknown and miscounted types; a GPU the
+# catalog does not know; an L40S in passthrough; an A100 40GB that already holds an mdev (so no count check);
+# an A100 80GB whose types come from an SR-IOV VF; a NIC that is not NVIDIA's.
+FLEET_DEVICES = [
+    pci_device(0x41, "0x20b5", [("nvidia-558", "NVIDIA A100D-10C", 8), ("nvidia-559", "NVIDIA A100DX-20C", 4),
+                                ("nvidia-777", "NVIDIA A100D-7C", 11), ("nvidia-560", "GRID A100D-40C", 3)]),
+    pci_device(0x42, "0x1234", [("nvidia-1", "NVIDIA X1-1C", 4)]),
+    pci_device(0x43, "0x26b9"),
+    pci_device(0x44, "0x20f1", [("nvidia-468", "GRID A100-4C", 7)]),
+    mdev_device(MDEV_UUID, "pci_0000_44_00_0", "nvidia-468"),
+    pci_device(0x45, "0x20b5"),
+    pci_device(0x45, "0x20b5", [("nvidia-558", "NVIDIA A100D-10C", 1)], function=4, physical_function=0x45),
+    pci_device(0x46, "0x1521", vendor="0x8086", klass="0x020000"),
+]
+
+
+class RecordingNodeDevices:
+    """A NodeDeviceApi that records every call and keeps mdevs in memory, as mdevctl would."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.mdevs: dict[str, MdevInfo] = {}
+        self.fail_start = False
+
+    def define(self, xml: str) -> str:
+        """Record the XML and define the mdev it describes."""
+        self.calls.append(("define", xml))
+        doc = etree.fromstring(xml.encode())
+        uuid = doc.findtext("capability/uuid") or ""
+        parent = doc.findtext("parent") or ""
+        type_el = doc.find("capability/type")
+        type_id = type_el.get("id", "") if type_el is not None else ""
+        name = f"mdev_{uuid.replace('-', '_')}_{parent.removeprefix('pci_')}"
+        self.mdevs[name] = MdevInfo(name, uuid, parent, type_id, False)
+        return name
+
+    def start(self, name: str) -> None:
+        """Record and start."""
+        self.calls.append(("start", name))
+        if self.fail_start:
+            raise HostError("start failed")
+        self.mdevs[name] = self.mdevs[name]._replace(active=True)
+
+    def set_autostart(self, name: str) -> None:
+        """Record."""
+        self.calls.append(("set_autostart", name))
+
+    def destroy(self, name: str) -> None:
+        """Record and stop."""
+        self.calls.append(("destroy", name))
+        self.mdevs[name] = self.mdevs[name]._replace(active=False)
+
+    def undefine(self, name: str) -> None:
+        """Record and forget."""
+        self.calls.append(("undefine", name))
+        del self.mdevs[name]
+
+    def list_mdevs(self) -> list[MdevInfo]:
+        """The mdevs defined so far (not recorded: it changes nothing)."""
+        return list(self.mdevs.values())
+
+    def names(self) -> list[str]:
+        """The recorded call names, in order."""
+        return [c[0] for c in self.calls]
+
+
+def mdev_hostdev(device_id: str = "dev-1", display: bool = False, ramfb: bool = False) -> HostdevContext:
+    """An mdev vGPU hostdev."""
+    return HostdevContext(device_id, "A100D-10C", DeviceBacking.MDEV, MDEV_UUID, None, display, ramfb)
+
+
+def vf_hostdev(device_id: str = "dev-2") -> HostdevContext:
+    """A vendor-VFIO VF hostdev."""
+    vf = PciAddress.parse("0000:41:00.4")
+    return HostdevContext(device_id, "L40S-12C", DeviceBacking.VFIO_VF, None, vf)
+
+
+def pci_hostdev(device_id: str = "dev-3") -> HostdevContext:
+    """A whole-GPU passthrough hostdev."""
+    return HostdevContext(device_id, "A100-80GB", DeviceBacking.PCI, None, PciAddress.parse("0000:42:00.0"))
+
+
+def domain_context(hostdevs: list[HostdevContext] | None = None, **changes: object) -> DomainContext:
+    """A valid DomainContext, with `changes` applied."""
+    values: dict[str, object] = {
+        "name": "vm-1", "uuid": VM_UUID, "tenant": "acme", "vm_id": "42", "vcpus": 4, "memory_mib": 8192,
+        "disk_base_image": "/var/lib/vgpu-ctl/images/ubuntu-24.04.qcow2",
+        "disk_overlay": "/var/lib/vgpu-ctl/disks/vm-1.qcow2", "network": "default", "network_type": "network",
+        "hostdevs": [mdev_hostdev()] if hostdevs is None else hostdevs, "compute_only": True,
+    }
+    values.update(changes)
+    return DomainContext(**values)  # type: ignore[arg-type]
+
+
+def simulated_writer(state_dir: str, worker: int, count: int) -> None:
+    """One of several processes each adding `count` devices and domains to simulated host sim-1."""
+    host = SimulatedHost("sim-1", Path(state_dir))
+    renderer = TemplateRenderer()
+    for i in range(count):
+        uuid = str(uuidlib.UUID(int=(worker + 1) << 64 | i))
+        host.create_device(DeviceSpec(f"dev-{worker}-{i}", "0000:41:00.0", DeviceBacking.MDEV, "A100D-4C",
+                                      start=0, size=4, uuid=uuid, mdev_type="nvidia-555"))
+        hostdev = HostdevContext(f"dev-{worker}-{i}", "A100D-4C", DeviceBacking.MDEV, uuid, None)
+        host.define_domain(renderer.render_domain(
+            "domain.xml.j2", domain_context([hostdev], name=f"vm-{worker}-{i}", uuid=uuid)))

@@ -1,0 +1,196 @@
+"""A host driven through libvirt (any URI): persistent mdevs, domains, and the VFIO/MIG backends given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import libvirt
+
+from vgpu_ctl.errors import HostError
+from vgpu_ctl.hosts.nodedev import (
+    DeviceBackend,
+    LibvirtNodeDeviceApi,
+    MdevInfo,
+    NodeDeviceApi,
+    host_error,
+    libvirt_errors,
+    open_libvirt,
+)
+from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
+from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_metadata
+
+PLACEMENT_ATTR = "vgpu-placement-id"
+
+
+class LibvirtHost:
+    """HostDriver over a libvirt connection, opened on first use."""
+
+    simulated = False
+
+    def __init__(
+        self,
+        name: str,
+        uri: str,
+        nodedev: NodeDeviceApi | None = None,
+        vfio: DeviceBackend | None = None,
+        renderer: TemplateRenderer | None = None,
+        mig: DeviceBackend | None = None,
+    ) -> None:
+        self.name = name
+        self.uri = uri
+        self._nodedev = nodedev
+        self._backends = {DeviceBacking.VFIO_VF: vfio, DeviceBacking.MIG: mig}
+        self._renderer = renderer or TemplateRenderer()
+        self._conn: Any = None
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            self._conn = open_libvirt(self.uri, self.name)
+        return self._conn
+
+    def _mdevs(self) -> NodeDeviceApi:
+        if self._nodedev is None:
+            self._nodedev = LibvirtNodeDeviceApi(self._connection(), self.name)
+        return self._nodedev
+
+    def _backend(self, backing: DeviceBacking) -> DeviceBackend:
+        backend = self._backends[backing]
+        if backend is None:
+            raise HostError(f"host {self.name}: no {backing} backend is configured for this host",
+                            reasons=[{"host": self.name, "backing": str(backing)}])
+        return backend
+
+    def _find_mdev(self, uuid: str) -> MdevInfo | None:
+        return next((m for m in self._mdevs().list_mdevs() if m.uuid == uuid), None)
+
+    def create_device(self, spec: DeviceSpec) -> DeviceHandle:
+        """Make the device exist (idempotent: an existing one with this uuid is returned)."""
+        if spec.backing is DeviceBacking.PCI:
+            return DeviceHandle(DeviceBacking.PCI, pci_address=spec.gpu_pci)
+        if spec.backing is not DeviceBacking.MDEV:
+            return self._backend(spec.backing).create(spec)
+        api = self._mdevs()
+        existing = self._find_mdev(spec.uuid)
+        if existing is not None:
+            if spec.mdev_type is not None and existing.type_id != spec.mdev_type:
+                raise HostError(f"host {self.name}: mdev {spec.uuid} exists with type {existing.type_id}, "
+                                f"not {spec.mdev_type}", reasons=[{"host": self.name, "uuid": spec.uuid}])
+            if not existing.active:
+                api.start(existing.name)
+            return DeviceHandle(DeviceBacking.MDEV, uuid=spec.uuid)
+        if spec.mdev_type is None:
+            raise HostError(f"host {self.name}: the mdev type id of {spec.profile} on GPU {spec.gpu_pci} "
+                            "is unknown on this host", reasons=[{"host": self.name, "profile": spec.profile}])
+        attrs = [] if spec.placement_id is None else [(PLACEMENT_ATTR, str(spec.placement_id))]
+        xml = self._renderer.render_mdev(PciAddress.parse(spec.gpu_pci).nodedev_name, spec.mdev_type,
+                                         spec.uuid, attrs)
+        name = api.define(xml)
+        try:
+            api.start(name)
+        except HostError:
+            api.undefine(name)
+            raise
+        api.set_autostart(name)
+        return DeviceHandle(DeviceBacking.MDEV, uuid=spec.uuid)
+
+    def remove_device(self, spec: DeviceSpec) -> None:
+        """Remove the device (idempotent: absent is fine)."""
+        if spec.backing is DeviceBacking.PCI:
+            return
+        if spec.backing is not DeviceBacking.MDEV:
+            self._backend(spec.backing).remove(spec)
+            return
+        existing = self._find_mdev(spec.uuid)
+        if existing is None:
+            return
+        if existing.active:
+            self._mdevs().destroy(existing.name)
+        self._mdevs().undefine(existing.name)
+
+    def list_devices(self) -> list[HostDevice]:
+        """Mdevs libvirt knows, then the devices of each configured backend."""
+        found = [HostDevice(DeviceBacking.MDEV, gpu_pci=_pci_of(m.parent), uuid=m.uuid)
+                 for m in self._mdevs().list_mdevs()]
+        for backend in self._backends.values():
+            if backend is not None:
+                found.extend(backend.list_devices())
+        return found
+
+    def _lookup(self, name: str) -> Any | None:
+        try:
+            return self._connection().lookupByName(name)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return None
+            raise host_error(self.name, f"looking up domain {name}", exc) from None
+
+    def define_domain(self, xml: str) -> str:
+        """Define (or redefine) a persistent domain; returns its UUID."""
+        with libvirt_errors(self.name, "defining domain"):
+            return str(self._connection().defineXML(xml).UUIDString())
+
+    def start_domain(self, name: str) -> None:
+        """Start a defined domain (idempotent)."""
+        dom = self._lookup(name)
+        if dom is None:
+            raise HostError(f"host {self.name}: domain {name} is not defined",
+                            reasons=[{"host": self.name, "domain": name}])
+        with libvirt_errors(self.name, f"starting domain {name}"):
+            if not dom.isActive():
+                dom.create()
+
+    def stop_domain(self, name: str, force: bool = False) -> None:
+        """Ask the guest to shut down, or with force destroy it (idempotent: stopped or absent is fine)."""
+        dom = self._lookup(name)
+        if dom is None:
+            return
+        with libvirt_errors(self.name, f"stopping domain {name}"):
+            if not dom.isActive():
+                return
+            if force:
+                dom.destroy()
+            else:
+                dom.shutdown()
+
+    def undefine_domain(self, name: str) -> None:
+        """Stop if needed and undefine (idempotent: absent is fine)."""
+        dom = self._lookup(name)
+        if dom is None:
+            return
+        with libvirt_errors(self.name, f"undefining domain {name}"):
+            if dom.isActive():
+                dom.destroy()
+            flags = libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
+            if parse_xml(dom.XMLDesc(0)).find("os/nvram") is not None:
+                flags |= libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
+            dom.undefineFlags(flags)
+
+    def list_domains(self) -> list[DomainInfo]:
+        """Every domain on the host, with the controller's metadata where it wrote one."""
+        out: list[DomainInfo] = []
+        with libvirt_errors(self.name, "listing domains"):
+            for dom in self._connection().listAllDomains(0):
+                try:
+                    xml = dom.XMLDesc(0)
+                    active = bool(dom.isActive())
+                except libvirt.libvirtError:
+                    continue  # undefined while we were listing
+                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml)))
+        return out
+
+    def close(self) -> None:
+        """Close the libvirt connection (a later call opens a new one)."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            if isinstance(self._nodedev, LibvirtNodeDeviceApi):
+                self._nodedev = None
+            with libvirt_errors(self.name, "closing the connection"):
+                conn.close()
+
+
+def _pci_of(nodedev_name: str) -> str:
+    """PCI address of a pci_dddd_bb_ss_f node-device name ("" if it is not one)."""
+    parts = nodedev_name.split("_")
+    if len(parts) != 5 or parts[0] != "pci":
+        return ""
+    return f"{parts[1]}:{parts[2]}:{parts[3]}.{parts[4]}"

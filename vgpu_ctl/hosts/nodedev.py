@@ -1,0 +1,161 @@
+"""Seams of the libvirt host driver: the node-device API for mdevs, and the vendor-VFIO and MIG backends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Protocol
+
+import libvirt
+from lxml import etree
+
+from vgpu_ctl.errors import HostError
+from vgpu_ctl.hosts.protocol import DeviceHandle, DeviceSpec, HostDevice
+
+
+class MdevInfo(NamedTuple):
+    """A mediated device known to libvirt (defined, started or both)."""
+
+    name: str  # node-device name, e.g. mdev_<uuid>_0000_41_00_0
+    uuid: str
+    parent: str  # node-device name of the parent, e.g. pci_0000_41_00_0
+    type_id: str  # e.g. nvidia-558
+    active: bool
+
+
+class NodeDeviceApi(Protocol):
+    """The lifecycle of persistent mdevs, as libvirt's node-device API offers it."""
+
+    def define(self, xml: str) -> str:
+        """Define a persistent mdev from node-device XML; returns its node-device name."""
+        ...
+
+    def start(self, name: str) -> None:
+        """Start (create) a defined mdev."""
+        ...
+
+    def set_autostart(self, name: str) -> None:
+        """Have the mdev started at host boot."""
+        ...
+
+    def destroy(self, name: str) -> None:
+        """Stop an active mdev (its definition stays)."""
+        ...
+
+    def undefine(self, name: str) -> None:
+        """Remove an mdev's persistent definition."""
+        ...
+
+    def list_mdevs(self) -> list[MdevInfo]:
+        """Every mdev libvirt knows, active or only defined."""
+        ...
+
+
+class DeviceBackend(Protocol):
+    """Creates and removes devices of one backing outside libvirt (vendor-VFIO sysfs, NVML MIG)."""
+
+    def create(self, spec: DeviceSpec) -> DeviceHandle:
+        """Make the device exist (idempotent)."""
+        ...
+
+    def remove(self, spec: DeviceSpec) -> None:
+        """Remove the device (idempotent)."""
+        ...
+
+    def list_devices(self) -> list[HostDevice]:
+        """Devices of this backing present on the host."""
+        ...
+
+
+def host_error(host: str, operation: str, exc: libvirt.libvirtError) -> HostError:
+    """HostError naming the host, the operation and libvirt's message."""
+    message = exc.get_error_message() or str(exc)
+    return HostError(f"host {host}: {operation} failed: {message}",
+                     reasons=[{"host": host, "operation": operation, "libvirt": message}])
+
+
+@contextmanager
+def libvirt_errors(host: str, operation: str) -> Iterator[None]:
+    """Turn a libvirt error raised inside the block into HostError (see host_error)."""
+    try:
+        yield
+    except libvirt.libvirtError as exc:
+        raise host_error(host, operation, exc) from None
+
+
+def _quiet(_ctx: object, _err: object) -> None:
+    """libvirt error handler that prints nothing: errors still arrive as exceptions."""
+
+
+def open_libvirt(uri: str, host: str) -> Any:
+    """A libvirt connection to `uri`; HostError naming the host when it cannot be opened."""
+    libvirt.registerErrorHandler(_quiet, None)
+    with libvirt_errors(host, f"connecting to {uri}"):
+        return libvirt.open(uri)
+
+
+def parse_mdev(xml: str, active: bool) -> MdevInfo:
+    """The MdevInfo of an mdev node device from its XML description."""
+    doc = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False, no_network=True))
+    name = doc.findtext("name", "")
+    uuid = doc.findtext("capability[@type='mdev']/uuid") or name.removeprefix("mdev_")[:36].replace("_", "-")
+    type_el = doc.find("capability[@type='mdev']/type")
+    type_id = type_el.get("id", "") if type_el is not None else ""
+    return MdevInfo(name, uuid, doc.findtext("parent", ""), type_id, active)
+
+
+class LibvirtNodeDeviceApi:
+    """NodeDeviceApi over a libvirt connection (needs libvirt >= 7.3 and mdevctl on the host)."""
+
+    def __init__(self, conn: Any, host: str) -> None:
+        self.conn = conn
+        self.host = host
+
+    def _device(self, name: str) -> Any:
+        with libvirt_errors(self.host, f"looking up node device {name}"):
+            return self.conn.nodeDeviceLookupByName(name)
+
+    def define(self, xml: str) -> str:
+        """Define a persistent mdev from node-device XML; returns its node-device name."""
+        with libvirt_errors(self.host, "defining mdev"):
+            return str(self.conn.nodeDeviceDefineXML(xml, 0).name())
+
+    def start(self, name: str) -> None:
+        """Start (create) a defined mdev."""
+        dev = self._device(name)
+        with libvirt_errors(self.host, f"starting mdev {name}"):
+            dev.create()
+
+    def set_autostart(self, name: str) -> None:
+        """Have the mdev started at host boot."""
+        dev = self._device(name)
+        with libvirt_errors(self.host, f"setting autostart on mdev {name}"):
+            dev.setAutostart(1)
+
+    def destroy(self, name: str) -> None:
+        """Stop an active mdev (its definition stays)."""
+        dev = self._device(name)
+        with libvirt_errors(self.host, f"destroying mdev {name}"):
+            dev.destroy()
+
+    def undefine(self, name: str) -> None:
+        """Remove an mdev's persistent definition."""
+        dev = self._device(name)
+        with libvirt_errors(self.host, f"undefining mdev {name}"):
+            dev.undefine()
+
+    def list_mdevs(self) -> list[MdevInfo]:
+        """Every mdev libvirt knows, active or only defined."""
+        with libvirt_errors(self.host, "listing mdevs"):
+            devices = self.conn.listAllDevices(libvirt.VIR_CONNECT_LIST_NODE_DEVICES_CAP_MDEV)
+            return [parse_mdev(d.XMLDesc(0), _is_active(d)) for d in devices]
+
+
+def _is_active(dev: Any) -> bool:
+    """Whether a node device is started (drivers without the call, like the test driver, list only those)."""
+    try:
+        return bool(dev.isActive())
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() == libvirt.VIR_ERR_NO_SUPPORT:
+            return True
+        raise

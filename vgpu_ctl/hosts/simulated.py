@@ -1,0 +1,180 @@
+"""A simulated host: devices and domains in a JSON file; domain XML still goes through libvirt's parser."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import libvirt
+
+from vgpu_ctl.errors import HostError, InvalidInput
+from vgpu_ctl.hosts.nodedev import host_error, open_libvirt
+from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
+from vgpu_ctl.render import PciAddress, parse_xml, read_metadata
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0000:41:00.4)
+
+State = dict[str, dict[str, dict[str, Any]]]
+
+
+@lru_cache(maxsize=1)
+def _parser_connection() -> Any:
+    """One empty in-process libvirt test driver per process, used only to parse domain XML."""
+    conn = open_libvirt("test:///default", "simulated")
+    for dom in conn.listAllDomains(0):
+        if dom.isActive():
+            dom.destroy()
+        dom.undefine()
+    return conn
+
+
+class SimulatedHost:
+    """HostDriver whose GPUs exist only in the inventory; state is kept in `state_dir/<name>.json`."""
+
+    simulated = True
+
+    def __init__(self, name: str, state_dir: Path) -> None:
+        if not _HOST_NAME.match(name):
+            raise InvalidInput(f"host name {name!r} is not a safe identifier",
+                               reasons=[{"field": "name", "value": repr(name)}])
+        self.name = name
+        self.state_dir = state_dir
+        self.path = state_dir / f"{name}.json"
+        state_dir.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def _state(self, write: bool) -> Iterator[State]:
+        """The host's state under a file lock; written back atomically when `write` is set."""
+        with open(self.state_dir / f"{self.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+            state: State = {"devices": {}, "domains": {}}
+            if self.path.exists():
+                state = json.loads(self.path.read_text())
+            yield state
+            if write:
+                fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(state, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+
+    def create_device(self, spec: DeviceSpec) -> DeviceHandle:
+        """Record the device (idempotent: an existing one with this uuid is returned)."""
+        with self._state(write=True) as state:
+            devices = state["devices"]
+            if spec.uuid not in devices:
+                devices[spec.uuid] = self._new_device(spec, devices.values())
+            d = devices[spec.uuid]
+        return DeviceHandle(DeviceBacking(d["backing"]), uuid=d["uuid"], pci_address=d["pci_address"],
+                            gpu_instance_id=d["gpu_instance_id"])
+
+    @staticmethod
+    def _new_device(spec: DeviceSpec, existing: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        same_gpu = [d for d in existing if d["gpu_pci"] == spec.gpu_pci and d["backing"] == spec.backing]
+        pci_address: str | None = None
+        gi: int | None = None
+        if spec.backing is DeviceBacking.PCI:
+            pci_address = spec.gpu_pci
+        elif spec.backing is DeviceBacking.VFIO_VF:
+            pf = PciAddress.parse(spec.gpu_pci)
+            used = {d["pci_address"] for d in same_gpu}
+            pci_address = next(a for a in map(str, (_vf_address(pf, n) for n in range(256))) if a not in used)
+        elif spec.backing is DeviceBacking.MIG:
+            gi = next(i for i in range(1, 1000) if i not in {d["gpu_instance_id"] for d in same_gpu})
+        return {"backing": str(spec.backing), "gpu_pci": spec.gpu_pci, "profile": spec.profile,
+                "uuid": spec.uuid,
+                "pci_address": pci_address, "gpu_instance_id": gi, "start": spec.start, "size": spec.size}
+
+    def remove_device(self, spec: DeviceSpec) -> None:
+        """Forget the device (idempotent: absent is fine)."""
+        with self._state(write=True) as state:
+            state["devices"].pop(spec.uuid, None)
+
+    def list_devices(self) -> list[HostDevice]:
+        """Every device recorded on this host."""
+        with self._state(write=False) as state:
+            return [HostDevice(DeviceBacking(d["backing"]), gpu_pci=d["gpu_pci"], uuid=d["uuid"],
+                               pci_address=d["pci_address"], gpu_instance_id=d["gpu_instance_id"],
+                               profile=d["profile"])
+                    for d in state["devices"].values()]
+
+    def define_domain(self, xml: str) -> str:
+        """Check the XML with libvirt's parser, then record (or redefine) the domain; returns its UUID."""
+        conn = _parser_connection()
+        try:
+            dom = conn.defineXML(xml)
+            name, uuid = str(dom.name()), str(dom.UUIDString())
+            dom.undefine()
+        except libvirt.libvirtError as exc:
+            raise host_error(self.name, "defining domain", exc) from None
+        given_uuid = parse_xml(xml).findtext("uuid")
+        with self._state(write=True) as state:
+            domains = state["domains"]
+            old = domains.get(name)
+            if old is not None and given_uuid is None:
+                uuid = old["uuid"]
+            elif old is not None and old["uuid"] != uuid:
+                raise HostError(f"host {self.name}: domain {name} already exists with uuid {old['uuid']}",
+                                reasons=[{"host": self.name, "domain": name}])
+            clash = next((n for n, d in domains.items() if d["uuid"] == uuid and n != name), None)
+            if clash is not None:
+                raise HostError(f"host {self.name}: domain {clash} is already defined with uuid {uuid}",
+                                reasons=[{"host": self.name, "domain": name}])
+            domains[name] = {"uuid": uuid, "xml": xml, "active": bool(old and old["active"])}
+        return uuid
+
+    def start_domain(self, name: str) -> None:
+        """Mark the domain running (idempotent); like libvirt, refuses when one of its mdevs is missing."""
+        with self._state(write=True) as state:
+            dom = state["domains"].get(name)
+            if dom is None:
+                raise HostError(f"host {self.name}: domain {name} is not defined",
+                                reasons=[{"host": self.name, "domain": name}])
+            missing = [u for u in _mdev_uuids(dom["xml"]) if u not in state["devices"]]
+            if missing:
+                raise HostError(f"host {self.name}: starting domain {name} failed: mediated device "
+                                f"{missing[0]} not found", reasons=[{"host": self.name, "domain": name}])
+            dom["active"] = True
+
+    def stop_domain(self, name: str, force: bool = False) -> None:
+        """Mark the domain stopped (idempotent: stopped or absent is fine)."""
+        with self._state(write=True) as state:
+            dom = state["domains"].get(name)
+            if dom is not None:
+                dom["active"] = False
+
+    def undefine_domain(self, name: str) -> None:
+        """Forget the domain (idempotent: absent is fine)."""
+        with self._state(write=True) as state:
+            state["domains"].pop(name, None)
+
+    def list_domains(self) -> list[DomainInfo]:
+        """Every domain recorded on this host, with the controller's metadata."""
+        with self._state(write=False) as state:
+            return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]))
+                    for n, d in sorted(state["domains"].items())]
+
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes the state file."""
+
+
+def _vf_address(pf: PciAddress, index: int) -> PciAddress:
+    """Address of the PF's `index`-th virtual function, as NVIDIA GPUs lay them out."""
+    offset = pf.function + _FIRST_VF_FUNCTION + index
+    return PciAddress(pf.domain, pf.bus, pf.slot + offset // 8, offset % 8)
+
+
+def _mdev_uuids(xml: str) -> list[str]:
+    """UUIDs of the mdev hostdevs of a domain XML."""
+    addresses = parse_xml(xml).iterfind("devices/hostdev[@type='mdev']/source/address")
+    return [a.get("uuid", "") for a in addresses]

@@ -1,0 +1,169 @@
+"""Reconcile: compare the store with what the hosts really have, report drift, and with fix repair it.
+
+It never removes a device that a defined domain uses, and never touches a domain it did not write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select, update
+
+from vgpu_ctl.hosts.protocol import DeviceSpec
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.provision import domain_name, provision_vm, release_vm, undo
+from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.store.models import utcnow
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+
+INTERMEDIATE = ("placed", "devices-ready")
+LIVE = ("defined", "running", "stopped")
+
+
+@dataclass
+class Finding:
+    """One difference between store and host, and what was (or would be) done about it."""
+
+    kind: str
+    host: str
+    target: str
+    detail: str
+    action: str = "report"
+    fixed: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class ReconcileReport:
+    """All findings of one reconcile run."""
+
+    findings: list[Finding] = field(default_factory=list)
+    hosts: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """True when nothing differs (or everything found was fixed)."""
+        return all(f.fixed for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"hosts": self.hosts, "clean": self.clean, "findings": [f.to_dict() for f in self.findings]}
+
+
+def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timedelta(minutes=5),
+              progress: Any = None) -> ReconcileReport:
+    """Compare every host with the store; with `fix`, repair what is safe to repair."""
+    report = ReconcileReport()
+    cutoff = utcnow() - stuck_after
+    with ctl.engine.connect() as conn:
+        hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
+        vms = conn.execute(select(VM)).all()
+        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id)).all()
+    store_uuids = {d.uuid: d.vm_id for d in devices}
+    vm_ids = {v.id for v in vms}
+    for host in hosts:
+        report.hosts += 1
+        if progress is not None:
+            progress(host.name)
+        driver = ctl.hosts.get(host)
+        try:
+            host_devices = driver.list_devices()
+            domains = driver.list_domains()
+        except Exception as exc:
+            report.findings.append(Finding("host-unreachable", host.name, host.uri, str(exc)))
+            continue
+        domain_names = {d.name for d in domains}
+        used_by_domain = {dev for d in domains for dev in d.metadata.get("devices", "").split(",") if dev}
+        for d in domains:
+            vm_id = d.metadata.get("vm_id")
+            if not vm_id:
+                report.findings.append(Finding("foreign-domain", host.name, d.name,
+                                               "domain not written by vgpu-ctl; left alone"))
+                report.findings[-1].fixed = True  # nothing to repair: informational
+            elif vm_id not in vm_ids:
+                f = Finding("unknown-domain", host.name, d.name, f"vgpu-ctl domain of VM {vm_id} the store "
+                                                                 "does not know", action="undefine domain")
+                if fix:
+                    _try(f, lambda name=d.name: driver.undefine_domain(name))
+                    used_by_domain -= set(d.metadata.get("devices", "").split(","))
+                report.findings.append(f)
+        host_uuids = {hd.uuid for hd in host_devices if hd.uuid}
+        for hd in host_devices:
+            if hd.uuid is None or hd.uuid in store_uuids:
+                continue
+            if hd.uuid in used_by_domain:
+                report.findings.append(Finding("orphan-device", host.name, hd.uuid,
+                                               f"{hd.profile} on {hd.gpu_pci} has no claim but a defined domain "
+                                               "uses it; not removed", action="none (in use)"))
+                continue
+            f = Finding("orphan-device", host.name, hd.uuid, f"{hd.profile} on {hd.gpu_pci} has no claim",
+                        action="remove device")
+            if fix:
+                spec = DeviceSpec(device_id=hd.uuid, gpu_pci=hd.gpu_pci, backing=hd.backing,
+                                  profile=hd.profile or "", start=0, size=0, uuid=hd.uuid)
+                _try(f, lambda s=spec: driver.remove_device(s))
+            report.findings.append(f)
+        for vm in (v for v in vms if v.host_id == host.id):
+            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, cutoff, fix))
+    if fix and report.findings:
+        with ctl.tx() as conn:
+            record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
+                   params={"findings": len(report.findings), "fixed": sum(f.fixed for f in report.findings)})
+    return report
+
+
+def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_uuids: set[str],
+              store_uuids: dict[str, str], cutoff: Any, fix: bool) -> list[Finding]:
+    name = domain_name(vm)
+    updated = vm.updated_at.replace(tzinfo=None) if vm.updated_at is not None else None
+    stale = updated is None or updated <= cutoff.replace(tzinfo=None)
+    mine = {u for u, owner in store_uuids.items() if owner == vm.id}
+    if vm.state in INTERMEDIATE and stale:
+        f = Finding("stuck-claim", host.name, f"vm:{vm.id}", f"VM {vm.name} stuck in {vm.state} since "
+                                                             f"{vm.updated_at}", action="roll back")
+        if fix:
+            _try(f, lambda: undo(ctl, vm.id, f"rolled back by reconcile: stuck in {vm.state}"))
+        return [f]
+    if vm.state == "releasing" and stale:
+        f = Finding("stuck-release", host.name, f"vm:{vm.id}", f"VM {vm.name} stuck releasing",
+                    action="finish release")
+        if fix:
+            _try(f, lambda: release_vm(ctl, vm.id))
+        return [f]
+    if vm.state not in LIVE:
+        return []
+    missing_devices = sorted(mine - host_uuids)
+    if name in domain_names and not missing_devices:
+        return []
+    what = []
+    if name not in domain_names:
+        what.append(f"domain {name} vanished")
+    if missing_devices:
+        what.append(f"devices missing on host: {', '.join(missing_devices)}")
+    f = Finding("lost-vm", host.name, f"vm:{vm.id}", f"VM {vm.name} ({vm.state}): {'; '.join(what)}",
+                action="recreate devices and domain")
+    if fix:
+        def repair() -> None:
+            with ctl.tx() as conn:
+                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
+                conn.execute(update(VM).where(VM.c.id == vm.id).values(state="placed", updated_at=utcnow()))
+            provision_vm(ctl, vm.id)
+        _try(f, repair)
+    return [f]
+
+
+def _try(f: Finding, action: Any) -> None:
+    try:
+        action()
+        f.fixed = True
+    except Exception as exc:
+        f.error = str(exc)
