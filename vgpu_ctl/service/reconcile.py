@@ -143,6 +143,12 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
         return []
     missing_devices = sorted(mine - host_uuids)
     if name in domain_names and not missing_devices:
+        if vm.state == "defined" and stale:
+            f = Finding("stuck-start", host.name, f"vm:{vm.id}", f"VM {vm.name} defined but never started",
+                        action="start domain")
+            if fix:
+                _try(f, lambda: provision_vm(ctl, vm.id))
+            return [f]
         return []
     what = []
     if name not in domain_names:
