@@ -14,6 +14,7 @@ from vgpu_ctl.cli.admin import (
     tenant_app,
 )
 from vgpu_ctl.cli.common import STATE, console, print_json, run
+from vgpu_ctl.cli.ops import register as register_ops
 from vgpu_ctl.cli.vm import vm_app
 
 app = typer.Typer(help="vgpu-ctl: pools of NVIDIA vGPUs on KVM hosts, handed to tenants' VMs under quotas.",
@@ -25,6 +26,7 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(quota_app, name="quota")
 app.add_typer(vm_app, name="vm")
+register_ops(app)
 app.command("reconcile")(reconcile_cmd)
 
 

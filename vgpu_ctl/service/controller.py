@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Table, select
+from sqlalchemy import select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -265,14 +265,18 @@ class Controller:
 
     # -- VMs --------------------------------------------------------------------------------------------------
 
-    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any]) -> None:
+    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any]) -> list[Any]:
+        """InvalidInput for an unknown or unoffered profile; else the pools that offer every requested one
+        (all of `pools` if none does, so that the refusal explains each)."""
         from vgpu_ctl.core.geometry import geometry_for
         names = self.catalog.profile_names()
         offered: set[str] = set()
+        by_pool: dict[int, set[str]] = {}
         for p in pools:
             for m, mode in set(conn.execute(select(alloc.GPU.c.model, alloc.GPU.c.mode)
                                             .where(alloc.GPU.c.pool_id == p.id)).all()):
-                offered |= set(geometry_for(self.catalog, m, mode).shapes)
+                by_pool.setdefault(p.id, set()).update(geometry_for(self.catalog, m, mode).shapes)
+            offered |= by_pool.get(p.id, set())
         if not req.vgpus:
             raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
         for v in req.vgpus:
@@ -283,6 +287,8 @@ class Controller:
                 where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
                 raise InvalidInput(f"profile {v.profile!r} is not offered by {where}",
                                    reasons=[{"field": "profile", "value": v.profile}])
+        wanted = {v.profile for v in req.vgpus}
+        return [p for p in pools if wanted <= by_pool.get(p.id, set())] or list(pools)
 
     def _framebuffer(self, profile: str) -> int:
         model = self.catalog.models_offering(profile)[0]
@@ -379,7 +385,7 @@ class Controller:
                 return str(row.id)
         pools = [self._pool_row(conn, req.pool)] if req.pool else \
             conn.execute(select(POOL).order_by(POOL.c.name)).all()
-        self._check_profiles(conn, req, pools)
+        pools = self._check_profiles(conn, req, pools)
         profiles = req.profiles()
         fb = sum(self._framebuffer(p) for p in profiles)
         delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": fb, "vcpus": req.vcpus,

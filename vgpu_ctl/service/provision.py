@@ -84,7 +84,8 @@ def provision_vm(ctl: Controller, vm_id: str) -> None:
         driver.start_domain(domain_name(vm))
         with ctl.tx() as conn:
             _set_state(conn, vm_id, "running", error=None)
-            record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", params={"name": vm.name})
+            record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
+                   params={"name": vm.name})
         PROVISION_SECONDS.append(time.monotonic() - began)
     except VgpuCtlError as exc:
         undo(ctl, vm_id, exc.message)
@@ -94,6 +95,10 @@ def provision_vm(ctl: Controller, vm_id: str) -> None:
     except Exception as exc:
         undo(ctl, vm_id, f"{type(exc).__name__}: {exc}")
         raise HostError(f"provisioning VM {vm_id} failed and was undone: {type(exc).__name__}: {exc}") from exc
+
+
+def _tenant_name(conn: Connection, vm: Any) -> str | None:
+    return conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
 
 
 def _handle_json(h: DeviceHandle) -> dict[str, Any]:
@@ -138,7 +143,7 @@ def undo(ctl: Controller, vm_id: str, error: str) -> None:
         _free_claim(ctl, conn, vm, devs)
         _set_state(conn, vm_id, "failed", error=error + ("; cleanup: " + "; ".join(errors) if errors else ""))
         record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", result="failed", error=error,
-               params={"name": vm.name})
+               tenant=_tenant_name(conn, vm), params={"name": vm.name})
 
 
 def release_vm(ctl: Controller, vm_id: str) -> None:
@@ -161,7 +166,7 @@ def release_vm(ctl: Controller, vm_id: str) -> None:
             _free_claim(ctl, conn, vm, devs)
         conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm_id))
         conn.execute(VM.delete().where(VM.c.id == vm_id))
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        tenant = _tenant_name(conn, vm)
         record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=tenant, params={"name": vm.name})
 
 
@@ -180,7 +185,7 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> Non
         driver.stop_domain(domain_name(vm), force=force)
     with ctl.tx() as conn:
         _set_state(conn, vm_id, "running" if on else "stopped")
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        tenant = _tenant_name(conn, vm)
         record(conn, ctl.principal.actor, "vm.start" if on else "vm.stop", f"vm:{vm_id}", tenant=tenant,
                params={"name": vm.name, "force": force})
 
@@ -190,7 +195,7 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
     from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress
 
     vm, host, devs = _load(ctl, conn, vm_id)
-    tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+    tenant = _tenant_name(conn, vm)
     hostdevs = []
     for d in devs:
         handle = d.handle if isinstance(d.handle, dict) else {}
@@ -204,7 +209,7 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
                                        else None))
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     images = ctl.state_path / "images"
-    ctx = DomainContext(name=domain_name(vm), uuid=vm.id, tenant=tenant, vm_id=vm.id, vcpus=vm.vcpus,
+    ctx = DomainContext(name=domain_name(vm), uuid=vm.id, tenant=str(tenant), vm_id=vm.id, vcpus=vm.vcpus,
                         memory_mib=vm.memory_mib, disk_base_image=str(images / "base.qcow2"),
                         disk_overlay=str(images / f"{vm.id}.qcow2"), network=spec.get("network", "default"),
                         network_type="network", hostdevs=hostdevs, compute_only=True)

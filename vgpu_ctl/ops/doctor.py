@@ -1,0 +1,206 @@
+"""The doctor: checks the store's invariants and says what is wrong and how to fix it. Reads only."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, geometry_for
+from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.ops import require_admin
+from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
+from vgpu_ctl.service.quotas import HOLDING, VM, allocated
+from vgpu_ctl.service.requests import BASE_RESOURCES
+
+if TYPE_CHECKING:
+    from vgpu_ctl.catalog import Catalog
+    from vgpu_ctl.service.controller import Controller
+
+INTERMEDIATE = ("requested", "placed", "devices-ready", "releasing")
+RECONCILE = "run `vgpuctl reconcile --fix`"
+
+
+@dataclass
+class Problem:
+    """One broken invariant: what is wrong and how to fix it."""
+
+    object: str
+    message: str
+    fix: str
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one check."""
+
+    name: str
+    description: str
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when the check found nothing wrong."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"name": self.name, "description": self.description, "ok": self.ok,
+                "problems": [asdict(p) for p in self.problems]}
+
+
+Check = Callable[[Connection, "Catalog", datetime], Iterator[Problem]]
+
+
+def _tenant_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for t in conn.execute(select(TENANT)).all():
+        actual = allocated(conn, t.id)
+        for r in BASE_RESOURCES:
+            stored = getattr(t, f"{r}_used")
+            if stored != actual[r]:
+                yield Problem(f"tenant {t.name}", f"{r} used is {stored} but its VMs hold {actual[r]}",
+                              f"{RECONCILE} (recomputes usage from allocations)")
+
+
+def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    rows = conn.execute(select(SCOPED, TENANT.c.name.label("tenant"))
+                        .join(TENANT, TENANT.c.id == SCOPED.c.tenant_id)).all()
+    for r in rows:
+        actual = allocated(conn, r.tenant_id, r.scope).get(r.resource, 0)
+        if r.used != actual:
+            scope = "all pools" if r.scope == "*" else f"pool {r.scope}"
+            yield Problem(f"tenant {r.tenant}",
+                          f"{r.resource} ({scope}) used is {r.used} but allocations hold {actual}",
+                          f"{RECONCILE}, or set the limit again with `vgpuctl quota set` (recomputes usage)")
+
+
+def _failed_vms(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    rows = conn.execute(select(VM.c.id, VM.c.name, func.count(DEVICE.c.id))
+                        .join(DEVICE, DEVICE.c.vm_id == VM.c.id)
+                        .where(VM.c.state == "failed").group_by(VM.c.id, VM.c.name)).all()
+    for vm_id, name, n in rows:
+        yield Problem(f"vm {name} ({vm_id})", f"VM is failed but still holds {n} device(s)",
+                      f"{RECONCILE}, or `vgpuctl vm delete {vm_id}`")
+
+
+def _slots(devs: list[Any]) -> list[Slot]:
+    return sorted(Slot(d.start, d.size, d.profile) for d in devs)
+
+
+def _overlaps(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for gid, devs in _devices_by_gpu(conn).items():
+        slots = _slots(devs)
+        for a, b in itertools.pairwise(slots):
+            if b.start < a.start + a.size:
+                yield Problem(f"gpu {gid}", f"devices overlap: {a.encode()} and {b.encode()}",
+                              f"delete one of the VMs holding them, then {RECONCILE}")
+
+
+def _devices_by_gpu(conn: Connection) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = {}
+    for d in conn.execute(select(DEVICE)).all():
+        out.setdefault(d.gpu_id, []).append(d)
+    return out
+
+
+def _gpu_label(conn: Connection, g: Any) -> str:
+    host = conn.execute(select(HOST.c.name).where(HOST.c.id == g.host_id)).scalar()
+    return f"gpu {host}/{g.pci_address}"
+
+
+def _gpu_mirror(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    by_gpu = _devices_by_gpu(conn)
+    for g in conn.execute(select(GPU)).all():
+        label, slots = _gpu_label(conn, g), _slots(by_gpu.get(g.id, []))
+        geom = geometry_for(catalog, g.model, g.mode)
+        covered = 0
+        for s in slots:
+            covered |= ((1 << s.size) - 1) << s.start
+        want = {"layout": encode_layout(slots), "device_count": len(slots), "axis_units": geom.axis,
+                "free_units": geom.axis - covered.bit_count(),
+                "active_type": slots[0].profile if geom.homogeneous and slots else None}
+        for col, value in want.items():
+            if getattr(g, col) != value:
+                yield Problem(label, f"{col} is {getattr(g, col)!r} but its devices give {value!r}",
+                              f"{RECONCILE} (rewrites the GPU's occupancy from its devices)")
+        try:
+            occ = occupancy_of(catalog, {**g._mapping, "layout": ""})
+            for s in decode_layout(g.layout):
+                occ = occ.add(s.profile, s.start)
+        except (VgpuCtlError, ValueError) as exc:
+            yield Problem(label, f"layout {g.layout!r} is not valid on a {g.model} in {g.mode} mode: {exc}",
+                          f"delete the VMs on this GPU that break the layout, then {RECONCILE}")
+
+
+def _one_type(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    by_gpu = _devices_by_gpu(conn)
+    for g in conn.execute(select(GPU).where(GPU.c.mode == "vgpu-equal")).all():
+        types = sorted({d.profile for d in by_gpu.get(g.id, [])})
+        if len(types) > 1:
+            yield Problem(_gpu_label(conn, g), f"equal-size GPU holds several types: {', '.join(types)}",
+                          "delete the VMs of all but one type on this GPU")
+        elif types and g.pinned_type and types[0] != g.pinned_type:
+            yield Problem(_gpu_label(conn, g), f"GPU is pinned to {g.pinned_type} but holds {types[0]}",
+                          "delete those VMs, or change the GPU's vgpu_type in the inventory")
+
+
+def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for h in conn.execute(select(HOST)).all():
+        vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
+                                         func.coalesce(func.sum(VM.c.memory_mib), 0))
+                                  .where(VM.c.host_id == h.id, VM.c.state.in_(HOLDING))).one()
+        for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):
+            if getattr(h, col) != value:
+                yield Problem(f"host {h.name}", f"{col} is {getattr(h, col)} but its VMs take {value}",
+                              f"{RECONCILE} (recomputes host usage from its VMs)")
+
+
+def _orphans(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    orphans = conn.execute(select(DEVICE.c.id, DEVICE.c.vm_id, DEVICE.c.gpu_id)
+                           .outerjoin(VM, VM.c.id == DEVICE.c.vm_id).where(VM.c.id.is_(None))).all()
+    for dev_id, vm_id, gpu_id in orphans:
+        yield Problem(f"device {dev_id}", f"device on gpu {gpu_id} belongs to VM {vm_id}, which is gone",
+                      f"{RECONCILE} (removes devices without a VM)")
+    rows = conn.execute(select(DEVICE.c.id, VM.c.name, GPU.c.host_id, VM.c.host_id.label("vm_host"))
+                        .join(VM, VM.c.id == DEVICE.c.vm_id).join(GPU, GPU.c.id == DEVICE.c.gpu_id)
+                        .where(GPU.c.host_id != VM.c.host_id)).all()
+    for r in rows:
+        yield Problem(f"device {r.id}", f"device of VM {r.name} is on a GPU of another host than the VM",
+                      f"delete VM {r.name}, then {RECONCILE}")
+
+
+def _stuck(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.state, VM.c.updated_at)
+                        .where(VM.c.state.in_(INTERMEDIATE), VM.c.updated_at < cutoff)).all()
+    for r in rows:
+        yield Problem(f"vm {r.name} ({r.id})", f"VM has been {r.state} since {r.updated_at.isoformat()}",
+                      f"{RECONCILE} (finishes or rolls back interrupted requests)")
+
+
+CHECKS: tuple[tuple[str, str, Check], ...] = (
+    ("tenant-usage", "tenant usage equals the sum of its allocations", _tenant_usage),
+    ("scoped-quota", "per-pool and per-profile usage equals allocations", _scoped_usage),
+    ("failed-vms", "failed VMs hold no devices", _failed_vms),
+    ("overlaps", "no two devices overlap on a GPU", _overlaps),
+    ("gpu-occupancy", "each GPU's layout, free units, count and type match its devices", _gpu_mirror),
+    ("one-type", "equal-size GPUs hold one vGPU type", _one_type),
+    ("host-usage", "host vCPU and memory use equals its VMs", _host_usage),
+    ("orphans", "every device belongs to a VM on the same host", _orphans),
+    ("stuck", "no VM stays in an intermediate state", _stuck),
+)
+
+
+def diagnose(ctl: Controller, stuck_minutes: float = 10.0) -> list[CheckResult]:
+    """Run every check on one snapshot of the store; the results (admin only)."""
+    require_admin(ctl, "doctor")
+    cutoff = datetime.now(UTC) - timedelta(minutes=stuck_minutes)
+    out = []
+    with ctl.engine.connect() as conn:
+        for name, description, check in CHECKS:
+            out.append(CheckResult(name, description, list(check(conn, ctl.catalog, cutoff))))
+    return out

@@ -1,0 +1,174 @@
+"""Prometheus metrics, computed from the store on each scrape, so every process reports the same numbers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.ops import require_admin
+from vgpu_ctl.ops.status import pool_fits
+from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
+from vgpu_ctl.service.audit import EVENT
+from vgpu_ctl.service.inventory_apply import POOL, VM
+from vgpu_ctl.service.quotas import usage_report
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+
+PREFIX = "vgpuctl"
+BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+MIB = 1024 * 1024
+SIZES = {"framebuffer_mib": "framebuffer", "memory_mib": "memory"}
+
+
+def provision_durations(conn: Connection) -> list[float]:
+    """Seconds from each VM's successful `vm.create` event to its first `vm.start` event (from the store,
+    so a scrape of any process sees every VM provisioned by any process)."""
+    rows = conn.execute(select(EVENT.c.action, EVENT.c.target, EVENT.c.time, EVENT.c.result)
+                        .where(EVENT.c.action.in_(("vm.create", "vm.start")), EVENT.c.target.like("vm:%"))
+                        .order_by(EVENT.c.id)).all()
+    created: dict[str, datetime] = {}
+    out = []
+    for action, target, time, result in rows:
+        if action == "vm.create":
+            if result == "ok":
+                created[target] = time
+            else:
+                created.pop(target, None)
+        elif result == "ok" and target in created:
+            out.append(max(0.0, (time - created.pop(target)).total_seconds()))
+    return out
+
+
+def histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily:
+    """A histogram family with BUCKETS from plain observations."""
+    buckets = [(str(b), float(sum(1 for v in values if v <= b))) for b in BUCKETS]
+    buckets.append(("+Inf", float(len(values))))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(values)))
+
+
+def _inventory(conn: Connection) -> Iterator[Metric]:
+    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
+    gpus = GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs in the inventory.", labels=["model", "mode", "pool"])
+    for model, mode, pool_id, n in conn.execute(select(GPU.c.model, GPU.c.mode, GPU.c.pool_id, func.count())
+                                                .group_by(GPU.c.model, GPU.c.mode, GPU.c.pool_id)).all():
+        gpus.add_metric([model, mode, pools.get(pool_id, "")], n)
+    yield gpus
+    hosts = GaugeMetricFamily(f"{PREFIX}_hosts", "Hosts by state.", labels=["state"])
+    for state, n in conn.execute(select(HOST.c.state, func.count()).group_by(HOST.c.state)).all():
+        hosts.add_metric([state], n)
+    yield hosts
+    devs = GaugeMetricFamily(f"{PREFIX}_devices", "Carved vGPUs and MIG instances.",
+                             labels=["profile", "state"])
+    for profile, state, n in conn.execute(select(DEVICE.c.profile, DEVICE.c.state, func.count())
+                                          .group_by(DEVICE.c.profile, DEVICE.c.state)).all():
+        devs.add_metric([profile, state], n)
+    yield devs
+    vms = GaugeMetricFamily(f"{PREFIX}_vms", "VMs by state.", labels=["state"])
+    for state, n in conn.execute(select(VM.c.state, func.count()).group_by(VM.c.state)).all():
+        vms.add_metric([state], n)
+    yield vms
+
+
+def _tenants(conn: Connection) -> Iterator[Metric]:
+    usage = GaugeMetricFamily(f"{PREFIX}_tenant_usage", "What a tenant uses (counts).",
+                              labels=["tenant", "scope", "resource"])
+    limit = GaugeMetricFamily(f"{PREFIX}_tenant_limit", "A tenant's limit (counts; absent = unlimited).",
+                              labels=["tenant", "scope", "resource"])
+    sized: dict[str, tuple[GaugeMetricFamily, GaugeMetricFamily]] = {
+        key: (GaugeMetricFamily(f"{PREFIX}_tenant_{word}_bytes", f"A tenant's {word} in use.",
+                                labels=["tenant", "scope"]),
+              GaugeMetricFamily(f"{PREFIX}_tenant_{word}_limit_bytes", f"A tenant's {word} limit.",
+                                labels=["tenant", "scope"]))
+        for key, word in SIZES.items()}
+    for tid, name in conn.execute(select(TENANT.c.id, TENANT.c.name).order_by(TENANT.c.name)).all():
+        for row in usage_report(conn, tid):
+            scope = "all" if row["scope"] == "*" else row["scope"]
+            if row["resource"] in sized:
+                used_f, limit_f = sized[row["resource"]]
+                used_f.add_metric([name, scope], row["used"] * MIB)
+                if row["limit"] is not None:
+                    limit_f.add_metric([name, scope], row["limit"] * MIB)
+                continue
+            usage.add_metric([name, scope, row["resource"]], row["used"])
+            if row["limit"] is not None:
+                limit.add_metric([name, scope, row["resource"]], row["limit"])
+    yield usage
+    yield limit
+    for pair in sized.values():
+        yield from pair
+
+
+def _events(conn: Connection) -> Iterator[Metric]:
+    refusals = CounterMetricFamily(f"{PREFIX}_refusals", "Requests refused (quota, capacity), by reason.",
+                                   labels=["reason"])
+    for code, n in conn.execute(select(EVENT.c.error, func.count()).where(EVENT.c.result == "refused")
+                                .group_by(EVENT.c.error)).all():
+        refusals.add_metric([code or "unknown"], n)
+    yield refusals
+    events = CounterMetricFamily(f"{PREFIX}_events", "Audit events, by action and result.",
+                                 labels=["action", "result"])
+    for action, result, n in conn.execute(select(EVENT.c.action, EVENT.c.result, func.count())
+                                          .group_by(EVENT.c.action, EVENT.c.result)).all():
+        events.add_metric([action, result], n)
+    yield events
+    yield histogram(f"{PREFIX}_vm_provision_duration_seconds",
+                    "Time from a VM's claim to its first start.", provision_durations(conn))
+
+
+def collect_metrics(ctl: Controller) -> list[Metric]:
+    """Every metric family, read from the store in one transaction."""
+    with ctl.engine.connect() as conn:
+        out: list[Metric] = [*_inventory(conn)]
+        fits = GaugeMetricFamily(f"{PREFIX}_pool_profile_fits",
+                                 "How many more of a profile fit in a pool now (alone, active hosts).",
+                                 labels=["pool", "profile"])
+        for p in pool_fits(ctl, conn, [r[0] for r in conn.execute(select(POOL.c.id))]):
+            for profile, n in p["fits"].items():
+                fits.add_metric([p["name"], profile], n)
+        out.append(fits)
+        out += [*_tenants(conn), *_events(conn)]
+    return out
+
+
+class StoreCollector:
+    """A prometheus_client collector that queries the store on each scrape."""
+
+    def __init__(self, ctl: Controller) -> None:
+        require_admin(ctl, "metrics")
+        self.ctl = ctl
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families, fresh from the store."""
+        with self._lock:
+            yield from collect_metrics(self.ctl)
+
+    def describe(self) -> list[Metric]:
+        """Nothing up front: the families are only known after a scrape."""
+        return []
+
+
+def registry_for(ctl: Controller) -> CollectorRegistry:
+    """A registry holding only the store collector."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StoreCollector(ctl))
+    return reg
+
+
+def dump(ctl: Controller) -> str:
+    """The metrics in Prometheus' text exposition format."""
+    return generate_latest(registry_for(ctl)).decode()
+
+
+def serve(ctl: Controller, port: int, address: str = "127.0.0.1") -> tuple[Any, threading.Thread]:
+    """Serve /metrics on address:port in a background thread; (server, thread). Port 0 picks a free one."""
+    server, thread = start_http_server(port, addr=address, registry=registry_for(ctl))
+    return server, thread
