@@ -7,4 +7,5 @@ scripts/bootstrap.sh --dev
 source scripts/postgres.sh
 ensure_postgres
 export VGPU_CTL_TEST_PG_URL
+export VGPU_CTL_TEST_PG="${VGPU_CTL_TEST_PG_URL%/*}"  # server part, for tests that make their own databases
 .venv/bin/pytest -q "$@"

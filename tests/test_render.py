@@ -41,10 +41,20 @@ def renderer() -> TemplateRenderer:
     return TemplateRenderer()
 
 
+def _clear(c: Any) -> None:
+    # test:///default keeps one state per process while any connection to it is open (other tests hold one).
+    for dom in c.listAllDomains():
+        if dom.isActive():
+            dom.destroy()
+        dom.undefine()
+
+
 @pytest.fixture()
 def conn() -> Iterator[Any]:
     c = libvirt.open("test:///default")
+    _clear(c)
     yield c
+    _clear(c)
     c.close()
 
 
@@ -121,7 +131,9 @@ def test_metadata_is_read_back(renderer: TemplateRenderer, conn: Any) -> None:
 
 
 def test_foreign_domain_has_no_metadata(conn: Any) -> None:
-    assert read_metadata(conn.lookupByName("test").XMLDesc(0)) == {}
+    foreign = conn.defineXML("<domain type='test'><name>foreign</name><memory>1024</memory>"
+                             "<os><type>hvm</type></os></domain>")
+    assert read_metadata(foreign.XMLDesc(0)) == {}
 
 
 PAYLOADS = ["<evil/>", "a&b", "it's \"quoted\"", "x]]>y", "<![CDATA[z]]>", "&amp;&lt;", "</name><evil>"]

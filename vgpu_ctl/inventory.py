@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import Mode, geometry_for, parse_mig_layout
@@ -51,7 +52,7 @@ class PoolDecl(_Strict):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+\.xml\.j2", v) or (v and ".." in v):
+        if (v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+\.xml\.j2", v)) or (v and ".." in v):
             raise ValueError(f"{v!r} is not a template name (a file name ending .xml.j2, no folders)")
         return v
 
@@ -118,9 +119,10 @@ class HostDecl(_Strict):
     @model_validator(mode="after")
     def _unique_pci(self) -> HostDecl:
         seen: set[str] = set()
-        for g in self.gpus:
+        for i, g in enumerate(self.gpus):
             if g.pci in seen:
-                raise ValueError(f"duplicate PCI address {g.pci} on host {self.name}")
+                raise PydanticCustomError("duplicate_pci", "duplicate PCI address {pci} on host {host}",
+                                          {"pci": g.pci, "host": self.name, "gpu_index": i})
             seen.add(g.pci)
         return self
 
@@ -168,15 +170,17 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise InventoryError(f"{path}{line}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        at = f":{mark.line + 1}" if mark is not None else ""
+        raise InventoryError(f"{path}{at}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
     try:
         inv = InventoryDecl.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [k for k in err["loc"] if not (isinstance(k, str) and k.startswith("function-"))]
+        loc: list[int | str] = [k for k in err["loc"] if not (isinstance(k, str) and k.startswith("function-"))]
+        if err["type"] == "duplicate_pci":  # point at the second GPU with the address, not at its host
+            loc += ["gpus", err["ctx"]["gpu_index"], "pci"]
         line = _line_for(root, loc)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":

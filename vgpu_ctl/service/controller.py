@@ -397,7 +397,10 @@ class Controller:
             charges = self._scoped_charges(pool.name, delta, profiles)
             if not alloc.charge_tenant(conn, t.id, delta):
                 raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], charges)
-            if t.has_scoped_limits:
+            # read under the tenant row's lock: a concurrent set_quota may have just added scoped limits
+            has_scoped = bool(conn.execute(select(alloc.TENANT.c.has_scoped_limits)
+                                           .where(alloc.TENANT.c.id == t.id)).scalar())
+            if has_scoped:
                 failed = alloc.charge_scoped(conn, t.id, charges)
                 if failed:
                     raise alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges)
@@ -410,7 +413,7 @@ class Controller:
                     versions = page.versions
                     break
             if chosen is None:
-                alloc.uncharge(conn, t.id, delta, charges if t.has_scoped_limits else {})
+                alloc.uncharge(conn, t.id, delta, charges if has_scoped else {})
                 everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
                                                   pool_names)
                 counts = explain(preq, everything.hosts)
@@ -424,7 +427,8 @@ class Controller:
         raise NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
                          f"{req.memory_mib} MiB): {text}", reasons=reasons)
 
-    def _scoped_charges(self, pool: str, delta: Mapping[str, int], profiles: Sequence[str]) -> dict[tuple[str, str], int]:
+    def _scoped_charges(self, pool: str, delta: Mapping[str, int],
+                        profiles: Sequence[str]) -> dict[tuple[str, str], int]:
         charges: dict[tuple[str, str], int] = {(pool, r): n for r, n in delta.items()}
         for p in profiles:
             for scope in ("*", pool):
@@ -435,7 +439,7 @@ class Controller:
                       versions: Mapping[int, int], delta: Mapping[str, int],
                       charges: Mapping[tuple[str, str], int], dry_run: bool) -> str | Placement:
         alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
-        for gid, occ in chosen.occupancies.items():
+        for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
             alloc.write_gpu(conn, gid, versions[gid], occ)
         host = conn.execute(select(alloc.HOST.c.vgpu_backing).where(alloc.HOST.c.id == chosen.host_id)).one()
         backing = {gid: self._backing(occ.geometry.shapes[d.profile].kind.value, host.vgpu_backing)

@@ -38,8 +38,17 @@ def _gpu_fields(catalog: Catalog, g: GpuDecl, pool_ids: Mapping[str, int]) -> di
             "pinned_type": g.vgpu_type, "mig_layout": layout}
 
 
-def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+def _diff(old: Mapping[Any, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     return {k: {"from": old[k], "to": v} for k, v in new.items() if old[k] != v}
+
+
+def _named(fields: Mapping[str, Any], pool_names: Mapping[int, str]) -> dict[str, Any]:
+    """Fields as a change reports them: the pool by name, not by its row id."""
+    def name(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: pool_names.get(x, x) for k, x in v.items()}
+        return pool_names.get(v, v)
+    return {("pool" if k == "pool_id" else k): (name(v) if k == "pool_id" else v) for k, v in fields.items()}
 
 
 def _vms_on(conn: Connection, gpu_ids: list[int]) -> list[str]:
@@ -68,7 +77,9 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl) -> l
     for h in inv.hosts:
         fields = _host_fields(h)
         if h.name not in hosts:
-            host_id = conn.execute(HOST.insert().values(name=h.name, **fields)).inserted_primary_key[0]
+            inserted = conn.execute(HOST.insert().values(name=h.name, **fields)).inserted_primary_key
+            assert inserted is not None
+            host_id = inserted[0]
             changes.append({"action": "add", "kind": "host", "name": h.name,
                             "fields": {k: v for k, v in fields.items() if k != "labels" or v}})
         else:
@@ -106,6 +117,7 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl) -> l
 def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
                 pool_ids: Mapping[str, int]) -> list[Change]:
     changes: list[Change] = []
+    pool_names = {v: k for k, v in pool_ids.items()}
     existing = {r.pci_address: r for r in conn.execute(select(GPU).where(GPU.c.host_id == host_id)).all()}
     for g in h.gpus:
         fields = _gpu_fields(catalog, g, pool_ids)
@@ -115,8 +127,9 @@ def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
             axis = geometry_for(catalog, g.model, g.mode).axis
             conn.execute(GPU.insert().values(host_id=host_id, pci_address=g.pci, axis_units=axis,
                                              free_units=axis, **fields))
+            shown = {k: v for k, v in fields.items() if v not in (None, "")}
             changes.append({"action": "add", "kind": "gpu", "name": label,
-                            "fields": {k: v for k, v in fields.items() if v not in (None, "")}})
+                            "fields": _named(shown, pool_names)})
             continue
         d = _diff(row._mapping, fields)
         if not d:
@@ -133,7 +146,7 @@ def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
             axis = geometry_for(catalog, g.model, g.mode).axis
             values.update(axis_units=axis, free_units=axis, layout="", active_type=None)
         conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
-        changes.append({"action": "update", "kind": "gpu", "name": label, "fields": d})
+        changes.append({"action": "update", "kind": "gpu", "name": label, "fields": _named(d, pool_names)})
     declared = {g.pci for g in h.gpus}
     for pci, row in existing.items():
         if pci in declared:

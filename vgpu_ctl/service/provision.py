@@ -122,14 +122,18 @@ def _teardown(ctl: Controller, driver: HostDriver, vm: Any, devs: list[Any]) -> 
 
 
 def _free_claim(ctl: Controller, conn: Connection, vm: Any, devs: list[Any]) -> None:
-    """Give back devices, host capacity and quota of a VM (inside the caller's transaction)."""
-    alloc.free_devices(conn, ctl.catalog, [d._mapping for d in devs])
-    alloc.release_host(conn, vm.host_id, vm.vcpus, vm.memory_mib)
+    """Give back quota, host capacity and devices of a VM (inside the caller's transaction). Rows are locked
+    in the order a claim locks them (tenant, scoped limits, host, GPUs by id), so a release and a claim
+    running at once can't deadlock."""
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     scoped = {(s, r): n for s, r, n in spec.get("charges", [])}
+    alloc.uncharge(conn, vm.tenant_id, spec.get("delta", {}), {})  # takes the tenant row's lock first
     has_scoped = conn.execute(select(alloc.TENANT.c.has_scoped_limits)
                               .where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
-    alloc.uncharge(conn, vm.tenant_id, spec.get("delta", {}), scoped if has_scoped else {})
+    if has_scoped:
+        alloc.uncharge(conn, vm.tenant_id, {}, scoped)
+    alloc.release_host(conn, vm.host_id, vm.vcpus, vm.memory_mib)
+    alloc.free_devices(conn, ctl.catalog, [d._mapping for d in devs])
 
 
 def undo(ctl: Controller, vm_id: str, error: str) -> None:
@@ -194,7 +198,7 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
     """The validated domain XML of a VM."""
     from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress
 
-    vm, host, devs = _load(ctl, conn, vm_id)
+    vm, _host, devs = _load(ctl, conn, vm_id)
     tenant = _tenant_name(conn, vm)
     hostdevs = []
     for d in devs:

@@ -93,7 +93,7 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
                 f = Finding("unknown-domain", host.name, d.name, f"vgpu-ctl domain of VM {vm_id} the store "
                                                                  "does not know", action="undefine domain")
                 if fix:
-                    _try(f, lambda name=d.name: driver.undefine_domain(name))
+                    _try(f, lambda name=d.name, drv=driver: drv.undefine_domain(name))
                     used_by_domain -= set(d.metadata.get("devices", "").split(","))
                 report.findings.append(f)
         host_uuids = {hd.uuid for hd in host_devices if hd.uuid}
@@ -110,7 +110,7 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
             if fix:
                 spec = DeviceSpec(device_id=hd.uuid, gpu_pci=hd.gpu_pci, backing=hd.backing,
                                   profile=hd.profile or "", start=0, size=0, uuid=hd.uuid)
-                _try(f, lambda s=spec: driver.remove_device(s))
+                _try(f, lambda s=spec, drv=driver: drv.remove_device(s))
             report.findings.append(f)
         for vm in (v for v in vms if v.host_id == host.id):
             report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, cutoff, fix))

@@ -46,7 +46,8 @@ class VmRequest:
             check_name("anti_affinity", self.anti_affinity)
         if self.idempotency_key is not None and not (0 < len(self.idempotency_key) <= 128
                                                       and self.idempotency_key.isprintable()):
-            raise InvalidInput(f"idempotency_key {self.idempotency_key!r} must be 1-128 printable characters")
+            raise InvalidInput(f"idempotency_key {self.idempotency_key!r} must be 1-128 printable characters",
+                               reasons=[{"field": "idempotency_key", "value": self.idempotency_key}])
         for fname, value in (("vcpus", self.vcpus), ("memory_mib", self.memory_mib), ("disk_gib", self.disk_gib)):
             if not isinstance(value, int) or value <= 0:
                 raise InvalidInput(f"{fname} must be a positive whole number, got {value!r}",
@@ -56,7 +57,9 @@ class VmRequest:
                 raise InvalidInput(f"count of profile {v.profile!r} must be a positive whole number, got {v.count!r}",
                                    reasons=[{"field": "count", "value": v.count}])
         if sum(v.count for v in self.vgpus) > 16:
-            raise InvalidInput("a VM may hold at most 16 vGPUs", reasons=[{"field": "count"}])
+            total = sum(v.count for v in self.vgpus)
+            raise InvalidInput(f"a VM may hold at most 16 vGPUs (field count, value {total})",
+                               reasons=[{"field": "count", "value": total}])
 
     def profiles(self) -> tuple[str, ...]:
         """One profile name per vGPU."""
