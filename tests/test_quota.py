@@ -105,9 +105,6 @@ def test_per_pool_limits(acme: Controller) -> None:
     check_store_invariants(acme.engine)
 
 
-@pytest.mark.xfail(strict=True, reason="a request without a pool stops at the first pool whose own limit is "
-                                       "reached (QuotaExceeded) instead of trying the other pools that offer "
-                                       "the profile; Controller._claim_in raises inside its per-pool loop")
 def test_pool_limit_does_not_block_other_pools(acme: Controller) -> None:
     acme.set_quota("acme", {"vms": 0}, pool="inference")
     vm = req(acme, "a", "1g.10gb")  # inference (first by name) is closed to acme, training offers 1g.10gb

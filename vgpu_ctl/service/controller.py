@@ -24,6 +24,7 @@ from vgpu_ctl.errors import (
     NoCapacity,
     NotFound,
     PermissionDenied,
+    QuotaExceeded,
     Refused,
 )
 from vgpu_ctl.inventory import InventoryDecl, check_name, parse_inventory
@@ -392,40 +393,58 @@ class Controller:
                  "memory_mib": req.memory_mib}
         preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
         pool_names = {p.id: p.name for p in pools}
+        if not alloc.charge_tenant(conn, t.id, delta):
+            raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], {})
+        # read under the tenant row's lock: a concurrent set_quota may have just added scoped limits
+        has_scoped = bool(conn.execute(select(alloc.TENANT.c.has_scoped_limits)
+                                       .where(alloc.TENANT.c.id == t.id)).scalar())
         reasons: list[dict[str, Any]] = []
         for pool in pools:
-            charges = self._scoped_charges(pool.name, delta, profiles)
-            if not alloc.charge_tenant(conn, t.id, delta):
-                raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], charges)
-            # read under the tenant row's lock: a concurrent set_quota may have just added scoped limits
-            has_scoped = bool(conn.execute(select(alloc.TENANT.c.has_scoped_limits)
-                                           .where(alloc.TENANT.c.id == t.id)).scalar())
+            charges = self._scoped_charges(pool.name, delta, profiles)  # kept on the VM for its release
             if has_scoped:
                 failed = alloc.charge_scoped(conn, t.id, charges)
-                if failed:
-                    raise alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges)
-            policy = get_policy(pool.policy, pool.demand)
-            chosen: PlacementPlan | None = None
-            versions: dict[int, int] = {}
-            for page in alloc.candidate_pages(conn, self.catalog, preq, [pool.id], pool.policy, pool_names):
-                chosen = plan(preq, page.hosts, policy)
-                if chosen is not None:
-                    versions = page.versions
-                    break
+                if failed:  # this pool's own limits are reached: give back what was charged, try the next
+                    reasons.extend(alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges).reasons)
+                    alloc.uncharge(conn, t.id, {}, {k: n for k, n in charges.items() if k not in failed})
+                    continue
+            chosen, versions = self._plan_in_pool(conn, preq, pool, pool_names)
             if chosen is None:
-                alloc.uncharge(conn, t.id, delta, charges if has_scoped else {})
+                alloc.uncharge(conn, t.id, {}, charges if has_scoped else {})
                 everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
                                                   pool_names)
-                counts = explain(preq, everything.hosts)
-                reasons.append({"kind": "capacity", "pool": pool.name, "gpus": sum(len(h.gpus) for h in
-                                                                                    everything.hosts),
-                                "counts": counts})
+                reasons.append({"kind": "capacity", "pool": pool.name,
+                                "gpus": sum(len(h.gpus) for h in everything.hosts),
+                                "counts": explain(preq, everything.hosts)})
                 continue
             return self._commit_claim(conn, t, req, pool, chosen, versions, delta, charges, dry_run)
-        text = "; ".join(f"pool {r['pool']}: {r['gpus']} GPUs, " + (", ".join(
-            f"{n} {k}" for k, n in sorted(r["counts"].items())) or "none usable") for r in reasons)
-        raise NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
-                         f"{req.memory_mib} MiB): {text}", reasons=reasons)
+        raise self._refusal(req, profiles, reasons)
+
+    def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
+                      pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, dict[int, int]]:
+        policy = get_policy(pool.policy, pool.demand)
+        for page in alloc.candidate_pages(conn, self.catalog, preq, [pool.id], pool.policy, pool_names):
+            chosen = plan(preq, page.hosts, policy)
+            if chosen is not None:
+                return chosen, page.versions
+        return None, {}
+
+    @staticmethod
+    def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, Any]]) -> Refused:
+        """QuotaExceeded when only limits stood in the way, else NoCapacity with every pool's reasons."""
+        if all(r["kind"] == "quota" for r in reasons):
+            text = "; ".join(f"{r['resource']} in pool {r['scope']}: {r['used']} used + {r['requested']} "
+                             f"requested > limit {r['limit']}" for r in reasons)
+            return QuotaExceeded(f"tenant {req.tenant!r} is over quota: {text}", reasons=reasons)
+        parts = []
+        for r in reasons:
+            if r["kind"] == "quota":
+                parts.append(f"pool {r['scope']}: over the tenant's {r['resource']} limit "
+                             f"({r['used']} used + {r['requested']} > {r['limit']})")
+            else:
+                counts = ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items())) or "none usable"
+                parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {counts}")
+        return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
+                          f"{req.memory_mib} MiB): {'; '.join(parts)}", reasons=reasons)
 
     def _scoped_charges(self, pool: str, delta: Mapping[str, int],
                         profiles: Sequence[str]) -> dict[tuple[str, str], int]:
