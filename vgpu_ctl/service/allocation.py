@@ -95,6 +95,23 @@ def _gpu_clauses(catalog: Catalog, profiles: frozenset[str]) -> tuple[Any, ...]:
 
 
 # The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
+@lru_cache(maxsize=1024)
+def _offer_statement(catalog: Catalog, profile: str) -> Any:
+    pairs = []
+    for model in catalog.models_offering(profile):
+        p = catalog.profile(model, profile)
+        assert p is not None
+        pairs += [and_(GPU.c.mode == mode, GPU.c.model == model) for mode in modes_for(p.kind)
+                  if geometry_for(catalog, model, mode).shape(profile) is not None]
+    return select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id"), or_(*pairs) if pairs else literal(False)) \
+        .limit(1)
+
+
+def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) -> bool:
+    """True when some GPU of the pool, by its model and mode, can hold `profile` (an indexed lookup)."""
+    return conn.execute(_offer_statement(catalog, profile), {"pool_id": pool_id}).first() is not None
+
+
 _HOST_FILTER = and_(
     HOST.c.state == "active",
     HOST.c.used_vcpus + bindparam("req_vcpus", type_=Integer) <= HOST.c.vcpus * HOST.c.cpu_overcommit,

@@ -269,27 +269,21 @@ class Controller:
     def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any]) -> list[Any]:
         """InvalidInput for an unknown or unoffered profile; else the pools that offer every requested one
         (all of `pools` if none does, so that the refusal explains each)."""
-        from vgpu_ctl.core.geometry import geometry_for
-        names = self.catalog.profile_names()
-        offered: set[str] = set()
-        by_pool: dict[int, set[str]] = {}
-        for p in pools:
-            for m, mode in set(conn.execute(select(alloc.GPU.c.model, alloc.GPU.c.mode)
-                                            .where(alloc.GPU.c.pool_id == p.id)).all()):
-                by_pool.setdefault(p.id, set()).update(geometry_for(self.catalog, m, mode).shapes)
-            offered |= by_pool.get(p.id, set())
         if not req.vgpus:
             raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
-        for v in req.vgpus:
-            if v.profile not in names:
-                raise InvalidInput(f"unknown profile {v.profile!r} (see vgpuctl profiles list)",
-                                   reasons=[{"field": "profile", "value": v.profile}])
-            if v.profile not in offered:
+        names = self.catalog.profile_names()
+        wanted = list(dict.fromkeys(v.profile for v in req.vgpus))
+        for profile in wanted:
+            if profile not in names:
+                raise InvalidInput(f"unknown profile {profile!r} (see vgpuctl profiles list)",
+                                   reasons=[{"field": "profile", "value": profile}])
+        offers = {(p.id, w): alloc.pool_offers(conn, self.catalog, p.id, w) for p in pools for w in wanted}
+        for profile in wanted:
+            if not any(offers[(p.id, profile)] for p in pools):
                 where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
-                raise InvalidInput(f"profile {v.profile!r} is not offered by {where}",
-                                   reasons=[{"field": "profile", "value": v.profile}])
-        wanted = {v.profile for v in req.vgpus}
-        return [p for p in pools if wanted <= by_pool.get(p.id, set())] or list(pools)
+                raise InvalidInput(f"profile {profile!r} is not offered by {where}",
+                                   reasons=[{"field": "profile", "value": profile}])
+        return [p for p in pools if all(offers[(p.id, w)] for w in wanted)] or list(pools)
 
     def _framebuffer(self, profile: str) -> int:
         model = self.catalog.models_offering(profile)[0]
