@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from vgpu_ctl.cli.common import console, handled, parse_mib, print_json, run
+from vgpu_ctl.cli.common import console, handled, parse_mib, print_json, progress, run
 from vgpu_ctl.errors import InvalidInput
 
 profiles_app = typer.Typer(help="The profile catalog.", no_args_is_help=True)
@@ -44,7 +44,13 @@ def inventory_apply(file: Path = typer.Argument(..., help="Inventory YAML file."
                     dry_run: bool = typer.Option(False, "--dry-run", help="Show the changes, make none."),
                     as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Make the store match an inventory file and print the changes."""
-    changes = run(as_json, lambda c: c.apply_inventory(file, dry_run=dry_run))
+    with progress(disable=as_json) as bar:
+        task = bar.add_task("applying inventory", total=None)
+
+        def step(done: int, total: int, host: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"host {host}")
+
+        changes = run(as_json, lambda c: c.apply_inventory(file, dry_run=dry_run, progress=step))
     if as_json:
         print_json({"changes": changes, "dry_run": dry_run})
         return
@@ -214,9 +220,7 @@ def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is 
                   stuck_after: float = typer.Option(300, help="Seconds after which an unfinished step is stuck."),
                   as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Compare store and hosts: orphan devices, unknown domains, lost VMs, stuck claims; repair with --fix."""
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=True, disable=as_json) as bar:
+    with progress(disable=as_json) as bar:
         task = bar.add_task("reconciling hosts", total=None)
         report = run(as_json, lambda c: c.reconcile(fix=fix, stuck_after_seconds=stuck_after,
                                                     progress=lambda h: bar.update(task, description=h)))

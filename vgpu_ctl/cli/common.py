@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError
 
@@ -92,3 +93,9 @@ def parse_mib(field: str, text: str) -> int:
     if value != int(value):
         raise InvalidInput(f"{field} {text!r} is not a whole number of MiB", reasons=[{"field": field, "value": text}])
     return int(value)
+
+
+def progress(disable: bool = False) -> Progress:
+    """A progress bar on the CLI's console; silent when disabled or when stdout is not a terminal."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=disable or not console.is_terminal)

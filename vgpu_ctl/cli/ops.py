@@ -9,22 +9,15 @@ from typing import Any
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from vgpu_ctl.cli.common import console, handled, open_controller, parse_mib, print_json, run
+from vgpu_ctl.cli.common import console, handled, open_controller, parse_mib, print_json, progress, run
 from vgpu_ctl.errors import VgpuCtlError
 
 metrics_app = typer.Typer(help="Prometheus metrics of the fleet (admin).", no_args_is_help=True)
 db_app = typer.Typer(help="The state store: backup and restore (admin).", no_args_is_help=True)
 JSON_OPT = typer.Option(False, "--json", help="Print JSON.")
-
-
-def progress(disable: bool = False) -> Progress:
-    """A progress bar on the CLI's console; silent when disabled or when stdout is not a terminal."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=disable or not console.is_terminal)
 
 
 def _fits_text(fits: dict[str, int]) -> str:

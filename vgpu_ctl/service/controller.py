@@ -6,7 +6,7 @@ import hashlib
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,20 +127,22 @@ class Controller:
         """The catalog's profiles, of one model or all."""
         return self.catalog.profiles(model)
 
-    def apply_inventory(self, path: Path, dry_run: bool = False) -> list[dict[str, Any]]:
+    def apply_inventory(self, path: Path, dry_run: bool = False,
+                        progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
         """Make the store match an inventory file; the changes (none made with dry_run)."""
         self._admin("inventory apply")
         inv = parse_inventory(path, self.catalog)
-        return self.apply_declaration(inv, dry_run=dry_run, source=str(path))
+        return self.apply_declaration(inv, dry_run=dry_run, source=str(path), progress=progress)
 
-    def apply_declaration(self, inv: InventoryDecl, dry_run: bool = False, source: str = "api") -> list[dict[str, Any]]:
+    def apply_declaration(self, inv: InventoryDecl, dry_run: bool = False, source: str = "api",
+                          progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
         """Make the store match a parsed inventory; the changes (none made with dry_run)."""
         self._admin("inventory apply")
         conn_cm = self.engine.connect()
         with conn_cm as conn:
             trans = conn.begin()
             try:
-                changes = apply_inventory(conn, self.catalog, inv)
+                changes = apply_inventory(conn, self.catalog, inv, progress)
                 if dry_run:
                     trans.rollback()
                 else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Table, select
@@ -57,7 +57,8 @@ def _vms_on(conn: Connection, gpu_ids: list[int]) -> list[str]:
     return sorted(r[0] for r in rows)
 
 
-def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl) -> list[Change]:
+def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
+                    progress: Callable[[int, int, str], None] | None = None) -> list[Change]:
     """Bring pools, hosts and GPUs in the store to the declaration; the changes made, in order.
     Conflict (naming the VMs) if a host or GPU that holds devices would be removed or re-carved."""
     changes: list[Change] = []
@@ -74,7 +75,9 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl) -> l
 
     hosts = {r.name: r for r in conn.execute(select(HOST)).all()}
     declared_hosts = {h.name for h in inv.hosts}
-    for h in inv.hosts:
+    for i, h in enumerate(inv.hosts):
+        if progress is not None:
+            progress(i, len(inv.hosts), h.name)
         fields = _host_fields(h)
         if h.name not in hosts:
             inserted = conn.execute(HOST.insert().values(name=h.name, **fields)).inserted_primary_key
