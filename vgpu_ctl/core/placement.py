@@ -133,11 +133,18 @@ def _uniform_for(profiles: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
     return tuple((p, 1.0) for p in profiles)
 
 
+def _fixed(name: str, score: ScoreFn, description: str) -> Callable[[Mapping[str, float] | None], Policy]:
+    """A policy factory for a policy that ignores the demand mix."""
+    def make(_demand: Mapping[str, float] | None = None) -> Policy:
+        return Policy(name, score, description)
+    return make
+
+
 POLICIES: dict[str, Callable[[Mapping[str, float] | None], Policy]] = {
     "pack": pack_policy,
-    "spread": lambda _d=None: Policy("spread", _spread, "least-loaded GPU and host first"),
-    "first-fit": lambda _d=None: Policy("first-fit", _first_fit, "first GPU in host order that fits"),
-    "best-fit": lambda _d=None: Policy("best-fit", _best_fit, "GPU left with the least free space"),
+    "spread": _fixed("spread", _spread, "least-loaded GPU and host first"),
+    "first-fit": _fixed("first-fit", _first_fit, "first GPU in host order that fits"),
+    "best-fit": _fixed("best-fit", _best_fit, "GPU left with the least free space"),
 }
 
 
