@@ -1,0 +1,592 @@
+#!/usr/bin/env python3
+"""Replay Alibaba's openb GPU traces against vgpu_ctl's placement policies, by the FGD paper's method.
+
+Method (Weng et al., "Beware of Fragmentation", USENIX ATC'23): nodes from openb_node_list_gpu_node.csv, tasks from
+openb_pod_list_<trace>.csv. For each seed the tasks are shuffled with random.Random(seed), then random clones (drawn
+with the same generator) are appended until the GPU request (sum of num_gpu * gpu_milli / 1000) reaches 130% of the
+cluster's GPU count. Each task is placed once, in order; failures are dropped; nothing departs. Measured when the
+arrived GPU request reaches 100% of capacity and at the end (130%).
+
+Each task becomes one vGPU profile per GPU it asks for, on the model of the node it lands on: the smallest profile the
+model offers in the run's mode whose memory share (and, for MIG, compute share) is at least the task's GPU share;
+whole-GPU tasks get the full-size vGPU type or the 7g MIG profile, num_gpu of them on one host, each on its own GPU.
+Tasks that ask for no GPU are skipped (counted). vCPUs and memory are taken from the host with overcommit 1.0.
+
+Placement goes through `vgpu_ctl.core.placement.plan`, shown only the hosts and GPUs that can hold the winner: for a
+one-vGPU task, per distinct GPU state that takes the profile, the first admitted host in file order holding it (spread:
+the one with the most free vCPUs) with its first GPU in that state; for a multi-GPU task, every admitted host with
+enough GPUs that take the profile. This gives the same plan as `plan` over the whole fleet because each built-in
+policy scores a position by the GPU's state, then the host's order (spread: its free vCPUs, then its order), then
+the GPU id; `--verify` checks that on every task (slow; the tests use it). Occupancies are memoized (MemoOccupancy).
+vCPUs are counted in milli-vCPUs (HostView.free_vcpus and PlacementRequest.vcpus), which is the same ratio.
+
+Usage: bench_packing.py TRACE_DIR [--seeds 42..44 (default: 3 seeds; the paper's 10 are 42..51)]
+       [--trace default,gpushare40,multigpu30] [--modes vgpu-equal,vgpu-mixed,mig]
+       [--policies pack,first-fit,best-fit,spread] [--nodes-limit N] [--jobs N] [--verify] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from bisect import insort
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from vgpu_ctl.catalog import Catalog, ProfileKind, load_catalog  # noqa: E402
+from vgpu_ctl.core.geometry import Geometry, Misfit, Mode, Occupancy, geometry_for  # noqa: E402
+from vgpu_ctl.core.placement import (  # noqa: E402
+    GpuView,
+    HostView,
+    PlacementPlan,
+    PlacementRequest,
+    Policy,
+    Score,
+    get_policy,
+    plan,
+    plan_on_host,
+)
+
+# Trace model -> catalog model.
+MODEL_MAP: dict[str, str] = {
+    "G2": "A100-80GB",
+    "G3": "H100-80GB",
+    "T4": "T4",
+    "P100": "V100-16GB",
+    "V100M16": "V100-16GB",
+    "V100M32": "V100-32GB",
+    "A10": "A10",
+}
+TRACES = ("default", "gpushare40", "multigpu30")
+MODES = ("vgpu-equal", "vgpu-mixed", "mig")
+POLICY_NAMES = ("pack", "first-fit", "best-fit", "spread")
+DEFAULT_SEEDS = "42..44"  # the paper uses 42..51: ~20 min for everything on 2 CPUs, so pass --seeds 42..51
+# Policies whose score depends on a host only through its order (spread: and its free vCPUs), so that `plan` may be
+# shown one host per GPU state; any other policy sees the whole fleet. Tests run with --verify to keep this true.
+TRIMMABLE = frozenset(POLICY_NAMES)
+ARRIVED_MEASURE = 1.0  # measure when the arrived GPU request is this share of capacity
+ARRIVED_END = 1.3  # ... and stop when it reaches this share
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One trace node: CPU in milli-vCPUs, memory in MiB, GPU count, catalog model."""
+
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One trace task: CPU in milli-vCPUs, memory in MiB, GPUs and the share of each, allowed catalog models."""
+
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    num_gpu: int
+    gpu_milli: int
+    models: frozenset[str] | None = None  # None: any model
+
+    @property
+    def gpu_request(self) -> float:
+        """The task's GPU request in GPUs."""
+        return self.num_gpu * self.gpu_milli / 1000
+
+
+def load_nodes(trace_dir: Path, limit: int | None = None) -> list[Node]:
+    """The trace's GPU nodes in file order (the first `limit` of them if given)."""
+    nodes: list[Node] = []
+    with (trace_dir / "openb_node_list_gpu_node.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            model = row["model"]
+            if model not in MODEL_MAP:
+                raise SystemExit(f"node {row['sn']}: unknown GPU model {model!r} (known: {', '.join(MODEL_MAP)})")
+            nodes.append(Node(row["sn"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["gpu"]),
+                              MODEL_MAP[model]))
+            if limit is not None and len(nodes) >= limit:
+                break
+    return nodes
+
+
+def load_tasks(trace_dir: Path, trace: str) -> list[Task]:
+    """The tasks of openb_pod_list_<trace>.csv in file order."""
+    tasks: list[Task] = []
+    with (trace_dir / f"openb_pod_list_{trace}.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            spec = (row.get("gpu_spec") or "").strip()
+            models = frozenset(MODEL_MAP[m] for m in spec.split("|") if m in MODEL_MAP) if spec else None
+            tasks.append(Task(row["name"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["num_gpu"]),
+                              int(row["gpu_milli"]), models))
+    return tasks
+
+
+def arrival_sequence(tasks: Sequence[Task], capacity: int, seed: int) -> list[Task]:
+    """Shuffled tasks plus random clones until the GPU request reaches 130% of `capacity`, cut there."""
+    rng = random.Random(seed)
+    seq = list(tasks)
+    rng.shuffle(seq)
+    total = sum(t.gpu_request for t in seq)
+    while total < ARRIVED_END * capacity:
+        clone = rng.choice(tasks)
+        seq.append(clone)
+        total += clone.gpu_request
+    out: list[Task] = []
+    arrived = 0.0
+    for t in seq:  # with the whole trace already past 130% (multigpu30, --nodes-limit) stop there
+        if arrived >= ARRIVED_END * capacity:
+            break
+        out.append(t)
+        arrived += t.gpu_request
+    return out
+
+
+def mode_of(catalog: Catalog, model: str, run_mode: str) -> Mode:
+    """The mode a GPU of `model` runs in during a `run_mode` run: models lacking the mode stay vgpu-equal."""
+    spec = catalog.model(model)
+    if run_mode == Mode.VGPU_MIXED and spec.mixed_size:
+        return Mode.VGPU_MIXED
+    if run_mode == Mode.MIG and spec.mig is not None:
+        return Mode.MIG
+    return Mode.VGPU_EQUAL
+
+
+def profile_for(catalog: Catalog, geometry: Geometry, gpu_milli: int) -> str | None:
+    """The smallest profile of `geometry` whose memory share (and MIG compute share) is >= gpu_milli / 1000."""
+    memory = catalog.model(geometry.model).memory_mib
+    kind = ProfileKind.MIG if geometry.mode is Mode.MIG else ProfileKind.VGPU
+    best: tuple[tuple[int, int, int, str], str] | None = None
+    for shape in geometry.shapes.values():
+        if shape.kind is not kind or shape.media:
+            continue
+        if shape.framebuffer_mib * 1000 < gpu_milli * memory:
+            continue
+        if geometry.compute_capacity is not None and shape.compute * 1000 < gpu_milli * geometry.compute_capacity:
+            continue
+        key = (shape.size, shape.compute, shape.framebuffer_mib, shape.profile)
+        if best is None or key < best[0]:
+            best = (key, shape.profile)
+    return best[1] if best else None
+
+
+_MISFIT: dict[tuple[Occupancy, str], Misfit | None] = {}
+_STARTS: dict[tuple[Occupancy, str], tuple[int, ...]] = {}
+_ADDED: dict[tuple[Occupancy, str, int], Occupancy] = {}
+
+
+class MemoOccupancy(Occupancy):
+    """An Occupancy that remembers its hash and its answers: they are pure functions of immutable state, asked
+    again and again by `plan_on_host` for the same GPU states. Only speed changes, not the answers."""
+
+    __slots__ = ("_hash",)
+    _hash: int
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            h = Occupancy.__hash__(self)
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def misfit(self, profile: str) -> Misfit | None:
+        key = (self, profile)
+        try:
+            return _MISFIT[key]
+        except KeyError:
+            hit = _MISFIT[key] = Occupancy.misfit(self, profile)
+            return hit
+
+    def fit_starts(self, profile: str) -> tuple[int, ...]:
+        key = (self, profile)
+        try:
+            return _STARTS[key]
+        except KeyError:
+            hit = _STARTS[key] = Occupancy.fit_starts(self, profile)
+            return hit
+
+    def add(self, profile: str, start: int) -> Occupancy:
+        key = (self, profile, start)
+        try:
+            return _ADDED[key]
+        except KeyError:
+            base = Occupancy.add(self, profile, start)
+            hit = _ADDED[key] = MemoOccupancy(base.geometry, base.slots, base.pinned_type, base.fixed_layout)
+            return hit
+
+
+@dataclass
+class Fleet:
+    """Host views of one replay, kept current, with an index from GPU state to the hosts (and GPUs) holding it."""
+
+    catalog: Catalog
+    run_mode: str
+    nodes: Sequence[Node]
+    views: list[HostView] = field(init=False)
+    holders: dict[str, dict[Occupancy, dict[int, list[int]]]] = field(init=False)  # model -> state -> host -> GPUs
+
+    def __post_init__(self) -> None:
+        self.views = []
+        self.holders = {}
+        for i, n in enumerate(self.nodes):
+            empty = MemoOccupancy(geometry_for(self.catalog, n.model, mode_of(self.catalog, n.model, self.run_mode)))
+            gpus = tuple(GpuView(j, f"{n.name}/gpu{j}", empty) for j in range(n.gpus))
+            self.views.append(HostView(i, n.name, float(n.cpu_milli), float(n.memory_mib), gpus, order=i))
+            if n.gpus:
+                self.holders.setdefault(n.model, {}).setdefault(empty, {})[i] = list(range(n.gpus))
+
+    def candidates(self, model: str, req: PlacementRequest, most_vcpus: bool) -> list[HostView]:
+        """The hosts (and GPUs) `plan` needs to see to find its best plan for `req` among hosts of `model`.
+
+        One vGPU: per GPU state that takes the profile, the first admitted host holding it (spread: the one with
+        the most free vCPUs) with only its first GPU in that state. Several: every admitted host with enough GPUs
+        that take the profile, with those GPUs.
+        """
+        profile = req.profiles[0]
+        n = len(req.profiles)
+        views = self.views
+        picked: dict[int, list[int]] = {}
+        for occ, hosts in self.holders.get(model, {}).items():
+            if occ.misfit(profile) is not None:
+                continue
+            if n > 1:
+                for h, gids in hosts.items():
+                    picked.setdefault(h, []).extend(gids)
+                continue
+            best: int | None
+            if most_vcpus:
+                ok = [h for h in hosts if _admits(views[h], req)]
+                best = max(ok, key=lambda h: (views[h].free_vcpus, -h)) if ok else None
+            else:
+                best = min(hosts)
+                if not _admits(views[best], req):
+                    best = min((h for h in hosts if _admits(views[h], req)), default=None)
+            if best is not None:
+                picked.setdefault(best, []).append(hosts[best][0])
+        out = []
+        for h in sorted(picked):
+            view, gids = views[h], picked[h]
+            if n > 1 and (len(gids) < n or not _admits(view, req)):
+                continue
+            out.append(HostView(view.host_id, view.name, view.free_vcpus, view.free_memory_mib,
+                                tuple(view.gpus[g] for g in sorted(gids)), view.state, view.labels,
+                                view.anti_affinity, view.order))
+        return out
+
+    def apply(self, p: PlacementPlan, req: PlacementRequest) -> None:
+        """Record a placement: the host's new GPU states, vCPUs and memory."""
+        old = self.views[p.host_id]
+        index = self.holders[self.nodes[p.host_id].model]
+        gpus = list(old.gpus)
+        for gid, occ in p.occupancies.items():
+            before = gpus[gid].occupancy
+            held = index[before]
+            held[p.host_id].remove(gid)
+            if not held[p.host_id]:
+                del held[p.host_id]
+                if not held:
+                    del index[before]
+            insort(index.setdefault(occ, {}).setdefault(p.host_id, []), gid)
+            gpus[gid] = GpuView(gpus[gid].gpu_id, gpus[gid].pci, occ, gpus[gid].pool)
+        self.views[p.host_id] = HostView(old.host_id, old.name, old.free_vcpus - req.vcpus,
+                                         old.free_memory_mib - req.memory_mib, tuple(gpus), old.state,
+                                         old.labels, old.anti_affinity, old.order)
+
+
+def _admits(host: HostView, req: PlacementRequest) -> bool:
+    return host.free_vcpus >= req.vcpus and host.free_memory_mib >= req.memory_mib
+
+
+@dataclass
+class Replay:
+    """Places one arrival sequence with one policy on one fleet."""
+
+    catalog: Catalog
+    run_mode: str
+    nodes: Sequence[Node]
+    policy: Policy
+    verify: bool = False
+    trim: bool = field(init=False)  # show `plan` only the hosts/GPUs that can win (see the module's docstring)
+    fleet: Fleet = field(init=False)
+    models: tuple[str, ...] = field(init=False)
+    _profiles: dict[tuple[str, int], str | None] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.fleet = Fleet(self.catalog, self.run_mode, self.nodes)
+        self.trim = self.policy.name in TRIMMABLE
+        self.models = tuple(dict.fromkeys(n.model for n in self.nodes if n.gpus))
+
+    def profile(self, model: str, gpu_milli: int) -> str | None:
+        """The profile a GPU share maps to on `model` in this run (cached)."""
+        key = (model, gpu_milli)
+        if key not in self._profiles:
+            geometry = geometry_for(self.catalog, model, mode_of(self.catalog, model, self.run_mode))
+            self._profiles[key] = profile_for(self.catalog, geometry, gpu_milli)
+        return self._profiles[key]
+
+    def requests(self, task: Task) -> list[tuple[str, PlacementRequest]]:
+        """One request per model the task may run on."""
+        out = []
+        for model in self.models:
+            if task.models is not None and model not in task.models:
+                continue
+            profile = self.profile(model, task.gpu_milli)
+            if profile is not None:
+                out.append((model, PlacementRequest((profile,) * task.num_gpu, task.cpu_milli, task.memory_mib)))
+        return out
+
+    def place(self, task: Task) -> PlacementPlan | None:
+        """Place a task (each model's best plan, the best of those by the policy's score) and record it."""
+        best: tuple[Score, PlacementPlan, PlacementRequest] | None = None
+        options = self.requests(task)
+        spread = self.policy.name == "spread"
+        for model, req in options:
+            hosts = self.fleet.candidates(model, req, spread) if self.trim else self.fleet.views
+            found = plan(req, hosts, self.policy)
+            if found is None:
+                continue
+            if len(options) == 1:
+                best = ((), found, req)
+                break
+            scored = plan_on_host(next(h for h in hosts if h.host_id == found.host_id), req, self.policy)
+            assert scored is not None
+            if best is None or scored[0] < best[0]:
+                best = (scored[0], found, req)
+        if self.verify:
+            self._check(options, best[1] if best else None)
+        if best is None:
+            return None
+        self.fleet.apply(best[1], best[2])
+        return best[1]
+
+    def _check(self, options: Sequence[tuple[str, PlacementRequest]], got: PlacementPlan | None) -> None:
+        """Compare with `plan` over every host (the slow, obvious way)."""
+        best: tuple[Score, PlacementPlan] | None = None
+        for _model, req in options:
+            found = plan(req, self.fleet.views, self.policy)
+            if found is None:
+                continue
+            scored = plan_on_host(self.fleet.views[found.host_id], req, self.policy)
+            assert scored is not None
+            if best is None or scored[0] < best[0]:
+                best = (scored[0], found)
+        want = best[1] if best else None
+        if (want and (want.host_id, want.devices)) != (got and (got.host_id, got.devices)):
+            raise AssertionError(f"candidate filter changed the plan: {got} != {want}")
+
+
+def demand_mix(catalog: Catalog, run_mode: str, nodes: Sequence[Node], tasks: Iterable[Task]) -> dict[str, float]:
+    """How often each profile is asked for in the trace (per model the task may use), for the pack policy."""
+    models = tuple(dict.fromkeys(n.model for n in nodes if n.gpus))
+    geometries = {m: geometry_for(catalog, m, mode_of(catalog, m, run_mode)) for m in models}
+    shares = Counter(t.gpu_milli for t in tasks if t.num_gpu > 0)
+    mix: Counter[str] = Counter()
+    for milli, count in shares.items():
+        for g in geometries.values():
+            profile = profile_for(catalog, g, milli)
+            if profile is not None:
+                mix[profile] += count
+    return {p: float(w) for p, w in sorted(mix.items())}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One replay: a trace, a mode, a policy and a seed."""
+
+    trace_dir: str
+    trace: str
+    mode: str
+    policy: str
+    seed: int
+    nodes_limit: int | None = None
+    verify: bool = False
+
+
+@cache
+def _inputs(trace_dir: str, trace: str, nodes_limit: int | None) -> tuple[list[Node], list[Task]]:
+    return load_nodes(Path(trace_dir), nodes_limit), load_tasks(Path(trace_dir), trace)
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Replay one sequence; the measurements at 100% and at the end."""
+    started = time.perf_counter()
+    catalog = load_catalog()
+    nodes, tasks = _inputs(job.trace_dir, job.trace, job.nodes_limit)
+    capacity = sum(n.gpus for n in nodes)
+    demand = demand_mix(catalog, job.mode, nodes, tasks) if job.policy == "pack" else None
+    replay = Replay(catalog, job.mode, nodes, get_policy(job.policy, demand), job.verify)
+    sizes: dict[str, float] = {}
+    arrived = placed = consumed = 0.0
+    at100: dict[str, float] | None = None
+    failed = skipped = 0
+    seq = arrival_sequence(tasks, capacity, job.seed)
+    for task in seq:
+        arrived += task.gpu_request
+        if task.num_gpu == 0:
+            skipped += 1
+        else:
+            p = replay.place(task)
+            if p is None:
+                failed += 1
+            else:
+                placed += task.gpu_request
+                for d in p.devices:
+                    if d.profile not in sizes:
+                        g = replay.fleet.views[p.host_id].gpus[d.gpu_id].occupancy.geometry
+                        sizes[d.profile] = d.size / g.axis
+                    consumed += sizes[d.profile]
+        if at100 is None and arrived >= ARRIVED_MEASURE * capacity:
+            at100 = {"placed": placed, "consumed": consumed}
+    end = {"placed": placed, "consumed": consumed}
+    at100 = at100 or end
+    pct = 100.0 / capacity
+    return {
+        "trace": job.trace, "mode": job.mode, "policy": job.policy, "seed": job.seed,
+        "placed_pct": at100["placed"] * pct, "consumed_pct": at100["consumed"] * pct,
+        "placed_pct_end": end["placed"] * pct, "consumed_pct_end": end["consumed"] * pct,
+        "arrived_pct_end": arrived * pct, "tasks": len(seq), "skipped_cpu_only": skipped, "failed": failed,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`42..51` (inclusive) or `1,2,5`."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("..")
+        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    return out
+
+
+def _choices(text: str, known: Sequence[str], what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in known]
+    if bad:
+        raise SystemExit(f"unknown {what} {', '.join(bad)} (known: {', '.join(known)})")
+    return items
+
+
+def summarize(results: Sequence[Mapping[str, Any]], traces: Sequence[str], modes: Sequence[str],
+              policies: Sequence[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One row per trace x mode x policy (mean, min, max over seeds), and pack's verdict per trace x mode."""
+    rows: list[dict[str, Any]] = []
+    verdicts: list[dict[str, Any]] = []
+    for trace in traces:
+        for mode in modes:
+            means: dict[str, float] = {}
+            for policy in policies:
+                rs = [r for r in results if (r["trace"], r["mode"], r["policy"]) == (trace, mode, policy)]
+                if not rs:
+                    continue
+                placed = [r["placed_pct"] for r in rs]
+                means[policy] = statistics.fmean(placed)
+                rows.append({
+                    "trace": trace, "mode": mode, "policy": policy, "seeds": len(rs),
+                    "placed_pct": means[policy], "placed_min": min(placed), "placed_max": max(placed),
+                    "consumed_pct": statistics.fmean(r["consumed_pct"] for r in rs),
+                    "placed_pct_end": statistics.fmean(r["placed_pct_end"] for r in rs),
+                    "consumed_pct_end": statistics.fmean(r["consumed_pct_end"] for r in rs),
+                    "failed_end": statistics.fmean(r["failed"] for r in rs),
+                    "skipped_cpu_only": statistics.fmean(r["skipped_cpu_only"] for r in rs),
+                    "seconds": sum(r["seconds"] for r in rs),
+                })
+            rivals = [p for p in ("first-fit", "best-fit") if p in means]
+            if "pack" in means and rivals:
+                verdicts.append({
+                    "trace": trace, "mode": mode, "pack": means["pack"],
+                    **{p: means[p] for p in rivals},
+                    "pack_beats": all(means["pack"] > means[p] for p in rivals),
+                })
+    return rows, verdicts
+
+
+def render(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], verdicts: Sequence[Mapping[str, Any]]) -> str:
+    """The plain-text table."""
+    lines = [
+        f"openb replay (FGD method): {header['nodes']} nodes, {header['gpus']} GPUs, seeds {header['seeds']}"
+        + (" (default: 3 seeds; the paper's 10 are --seeds 42..51)" if header["seeds"] == DEFAULT_SEEDS else ""),
+        f"machine: {header['processor'] or header['machine']}, {header['cpus']} CPUs; date {header['date']}; "
+        f"wall {header['wall_seconds']:.1f} s",
+        "placed% = placed tasks' GPU share / GPUs at 100% arrived (mean [min-max] over seeds); "
+        "consumed% = profile sizes / GPUs at 100%; @130 = at the end; time = replay seconds summed over seeds",
+        "vgpu-mixed: T4 and V100 GPUs stay vgpu-equal; mig: only A100-80GB/H100-80GB use MIG, the rest vgpu-equal; "
+        "tasks with no GPU are skipped",
+        "",
+    ]
+    cols = f"{'trace':<11} {'mode':<10} {'policy':<9} {'placed%':>7} {'[min-max]':<13} {'consumed%':>9} " \
+           f"{'placed%@130':>11} {'time s':>7}"
+    lines += [cols, "-" * len(cols)]
+    for r in rows:
+        span = f"[{r['placed_min']:.2f}-{r['placed_max']:.2f}]"
+        lines.append(f"{r['trace']:<11} {r['mode']:<10} {r['policy']:<9} {r['placed_pct']:7.2f} {span:<13} "
+                     f"{r['consumed_pct']:9.2f} {r['placed_pct_end']:11.2f} {r['seconds']:7.1f}")
+    lines.append("")
+    for v in verdicts:
+        rivals = ", ".join(f"{p} {v[p]:.2f}" for p in ("first-fit", "best-fit") if p in v)
+        lines.append(f"{v['trace']} / {v['mode']}: pack {v['pack']:.2f} vs {rivals}: "
+                     f"{'pack beats both' if v['pack_beats'] else 'pack does NOT beat both'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("trace_dir", type=Path)
+    ap.add_argument("--seeds", default=DEFAULT_SEEDS, help="e.g. 42..51 or 42,43 (default %(default)s)")
+    ap.add_argument("--trace", default=",".join(TRACES))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--policies", default=",".join(POLICY_NAMES))
+    ap.add_argument("--nodes-limit", type=int, default=None, help="use only the first N nodes (quick runs)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
+    ap.add_argument("--verify", action="store_true", help="check every plan against plan() over all hosts (slow)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    traces = _choices(args.trace, TRACES, "trace")
+    modes = _choices(args.modes, MODES, "mode")
+    policies = _choices(args.policies, tuple(POLICY_NAMES), "policy")
+    seeds = parse_seeds(args.seeds)
+    trace_dir = str(args.trace_dir.resolve())
+    nodes = load_nodes(Path(trace_dir), args.nodes_limit)
+    jobs = [Job(trace_dir, t, m, p, s, args.nodes_limit, args.verify)
+            for t in traces for m in modes for p in policies for s in seeds]
+    started = time.perf_counter()
+    if args.jobs > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            results = list(pool.map(run_job, jobs))
+    else:
+        results = [run_job(j) for j in jobs]
+    header = {
+        "nodes": len(nodes), "gpus": sum(n.gpus for n in nodes), "seeds": args.seeds,
+        "processor": platform.processor(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    rows, verdicts = summarize(results, traces, modes, policies)
+    if args.json:
+        print(json.dumps({"header": header, "rows": rows, "verdicts": verdicts, "runs": results}, indent=2))
+    else:
+        print(render(header, rows, verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The openb replay benchmark (scripts/bench_packing.py) on a tiny synthetic trace."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from vgpu_ctl.catalog import load_catalog  # noqa: E402
+from vgpu_ctl.core.geometry import Mode, geometry_for  # noqa: E402
+from vgpu_ctl.core.placement import get_policy  # noqa: E402
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_packing", _ROOT / "scripts" / "bench_packing.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_packing"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script()
+
+NODES = """sn,cpu_milli,memory_mib,gpu,model
+node-0,32000,262144,2,G2
+node-1,32000,262144,4,T4
+node-2,16000,131072,1,V100M32
+node-3,64000,524288,8,G3
+"""
+HEAD = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time"
+TASKS = [  # name, cpu_milli, memory_mib, num_gpu, gpu_milli, gpu_spec
+    ("t-whole", 4000, 16384, 1, 1000, ""),
+    ("t-two", 4000, 16384, 2, 1000, ""),
+    ("t-four", 8000, 32768, 4, 1000, ""),
+    ("t-eight", 16000, 65536, 8, 1000, ""),
+    ("t-470", 2000, 8192, 1, 470, ""),
+    ("t-230", 2000, 8192, 1, 230, ""),
+    ("t-810", 2000, 8192, 1, 810, ""),
+    ("t-110", 1000, 4096, 1, 110, ""),
+    ("t-t4-only", 1000, 4096, 1, 320, "T4"),
+    ("t-cpu-only", 4000, 8192, 0, 0, ""),
+    ("t-too-big", 999000, 4096, 1, 500, ""),  # more vCPUs than any node: always fails
+]
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path) -> Path:
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text(NODES)
+    rows = [",".join(str(v) for v in t) + ",LS,Running,0,100,0" for t in TASKS]
+    (tmp_path / "openb_pod_list_default.csv").write_text("\n".join([HEAD, *rows]) + "\n")
+    short = ["name,cpu_milli,memory_mib,num_gpu,gpu_milli", *(",".join(str(v) for v in t[:5]) for t in TASKS)]
+    (tmp_path / "openb_pod_list_multigpu30.csv").write_text("\n".join(short) + "\n")
+    return tmp_path
+
+
+def _task(num_gpu: int, milli: int, cpu: int = 1000, mem: int = 1024) -> object:
+    return bench.Task("t", cpu, mem, num_gpu, milli)
+
+
+def test_table_rows_and_sane_percentages(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(trace_dir), "--trace", "default,multigpu30", "--seeds", "1..2", "--jobs", "1",
+                       "--verify"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    rows = [ln.split() for ln in lines if ln.split()[:1] in (["default"], ["multigpu30"]) and "/" not in ln]
+    assert len(rows) == 2 * 3 * 4
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        (t, m, p) for t in ("default", "multigpu30") for m in bench.MODES for p in bench.POLICY_NAMES}
+    for r in rows:
+        placed, consumed, placed_end = float(r[3]), float(r[5]), float(r[6])
+        assert 0 < placed <= 100 and 0 < consumed <= 100 and 0 < placed_end <= 100
+        assert placed <= consumed + 1e-9  # profiles round shares up
+        lo, hi = (float(x) for x in r[4].strip("[]").split("-"))
+        assert lo <= placed <= hi
+    verdicts = [ln for ln in lines if ln.startswith(("default / ", "multigpu30 / "))]
+    assert len(verdicts) == 6
+    assert "machine:" in out and "date" in out
+
+
+def test_json_and_failures_dropped(trace_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(trace_dir), "--trace", "default", "--modes", "mig", "--policies", "pack,first-fit",
+                       "--seeds", "7", "--jobs", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["policy"]) for r in data["rows"]] == [("mig", "pack"), ("mig", "first-fit")]
+    for run in data["runs"]:
+        assert run["failed"] >= 1  # t-too-big never fits, and the run goes on
+        assert run["skipped_cpu_only"] >= 1
+        assert run["arrived_pct_end"] >= 130
+        assert 0 < run["placed_pct"] <= run["placed_pct_end"] <= 100
+        assert run["placed_pct_end"] <= run["consumed_pct_end"] <= 100
+    assert data["header"]["gpus"] == 15 and data["header"]["cpus"] >= 1
+
+
+def test_two_gpu_task_lands_on_one_host_on_two_gpus(trace_dir: Path) -> None:
+    catalog = load_catalog()
+    nodes = bench.load_nodes(trace_dir)
+    for mode, policy, profile in (("vgpu-equal", "first-fit", "A100D-80C"), ("mig", "pack", "7g.80gb")):
+        replay = bench.Replay(catalog, mode, nodes, get_policy(policy, {profile: 1.0}), verify=True)
+        p = replay.place(_task(2, 1000, cpu=3000, mem=2048))
+        assert p is not None
+        assert p.host_id == 0 and len({d.gpu_id for d in p.devices}) == 2
+        assert [d.profile for d in p.devices] == [profile, profile]
+        host = replay.fleet.views[0]
+        assert host.free_vcpus == 32000 - 3000 and host.free_memory_mib == 262144 - 2048
+        assert all(g.occupancy.free_units == 0 for g in host.gpus)
+        # the next 2-GPU task no longer fits node-0: it goes to the next host with two free GPUs
+        q = replay.place(_task(2, 1000))
+        assert q is not None and q.host_id == 1 and len({d.gpu_id for d in q.devices}) == 2
+
+
+def test_failure_leaves_fleet_unchanged(trace_dir: Path) -> None:
+    replay = bench.Replay(load_catalog(), "vgpu-equal", bench.load_nodes(trace_dir), get_policy("best-fit"))
+    before = list(replay.fleet.views)
+    assert replay.place(_task(1, 500, cpu=10**9)) is None
+    assert replay.place(_task(9, 1000)) is None
+    assert replay.fleet.views == before
+
+
+def test_profile_mapping() -> None:
+    catalog = load_catalog()
+
+    def prof(model: str, mode: Mode, milli: int) -> str | None:
+        name: str | None = bench.profile_for(catalog, geometry_for(catalog, model, mode), milli)
+        return name
+
+    assert prof("A100-80GB", Mode.VGPU_EQUAL, 470) == "A100D-40C"
+    assert prof("A100-80GB", Mode.VGPU_EQUAL, 1000) == "A100D-80C"
+    assert prof("A100-80GB", Mode.MIG, 470) == "4g.40gb"  # 3g.40gb has only 3/7 of the compute
+    assert prof("A100-80GB", Mode.MIG, 320) == "3g.40gb"
+    assert prof("A100-80GB", Mode.MIG, 110) == "1g.10gb"
+    assert prof("A100-80GB", Mode.MIG, 1000) == "7g.80gb"
+    assert prof("T4", Mode.VGPU_EQUAL, 810) == "T4-16C"
+    assert bench.mode_of(catalog, "T4", "vgpu-mixed") is Mode.VGPU_EQUAL
+    assert bench.mode_of(catalog, "A10", "mig") is Mode.VGPU_EQUAL
+    assert bench.mode_of(catalog, "H100-80GB", "mig") is Mode.MIG
+
+
+def test_arrival_sequence_reaches_130_percent(trace_dir: Path) -> None:
+    tasks = bench.load_tasks(trace_dir, "default")
+    assert tasks[8].models == frozenset({"T4"})
+    seq = bench.arrival_sequence(tasks, 15, 42)
+    total = sum(t.gpu_request for t in seq)
+    assert total >= 1.3 * 15 and total - seq[-1].gpu_request < 1.3 * 15
+    assert seq == bench.arrival_sequence(tasks, 15, 42) != bench.arrival_sequence(tasks, 15, 43)
+    assert bench.parse_seeds("42..44,50") == [42, 43, 44, 50]
