@@ -163,6 +163,10 @@ class Occupancy:
                 f"in {self.geometry.mode} mode: {why}",
                 reasons=[{"profile": profile, "start": start, "reason": str(why)}],
             )
+        return self.placed(profile, start)
+
+    def placed(self, profile: str, start: int) -> Occupancy:
+        """A new occupancy with `profile` at `start`, for a start `fit_starts` just gave (not checked again)."""
         shape = self.geometry.shapes[profile]
         return Occupancy(self.geometry, tuple(sorted((*self.slots, Slot(start, shape.size, profile)))),
                          self.pinned_type, self.fixed_layout)

@@ -189,7 +189,7 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
             if gid in used or occ.misfit(profile) is not None:
                 continue
             for start in occ.fit_starts(profile):
-                after = occ.add(profile, start)
+                after = occ.placed(profile, start)  # misfit and fit_starts were just checked
                 s = policy.score(host, views[gid], after, profile, start)
                 if best is None or s < best[0]:
                     best = (s, gid, start, after)
