@@ -33,14 +33,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class PoolDecl(_Strict):
-    """A pool in an inventory file."""
+class _Named(_Strict):
+    """A declared object with a safe `name`."""
 
     name: str
-    policy: Literal["pack", "spread", "first-fit", "best-fit"] = "pack"
-    template: str | None = None
-    description: str = ""
-    demand: dict[str, float] | None = None
 
     @field_validator("name")
     @classmethod
@@ -48,6 +44,15 @@ class PoolDecl(_Strict):
         if not NAME_RE.match(v):
             raise ValueError(f"{v!r} is not a safe name (lower-case letters, digits, '_', '.', '-')")
         return v
+
+
+class PoolDecl(_Named):
+    """A pool in an inventory file."""
+
+    policy: Literal["pack", "spread", "first-fit", "best-fit"] = "pack"
+    template: str | None = None
+    description: str = ""
+    demand: dict[str, float] | None = None
 
     @field_validator("template")
     @classmethod
@@ -78,10 +83,9 @@ class GpuDecl(_Strict):
         return v
 
 
-class HostDecl(_Strict):
+class HostDecl(_Named):
     """A host in an inventory file."""
 
-    name: str
     uri: str
     driver: Literal["libvirt", "simulated"] = "libvirt"
     vgpu_backing: Literal["mdev", "vfio"] = "mdev"
@@ -92,13 +96,6 @@ class HostDecl(_Strict):
     memory_overcommit: float = Field(default=1.0, gt=0)
     state: Literal["active", "draining", "down"] = "active"
     gpus: list[GpuDecl] = []
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a safe name (lower-case letters, digits, '_', '.', '-')")
-        return v
 
     @field_validator("uri")
     @classmethod
