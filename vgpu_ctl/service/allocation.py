@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -122,7 +122,8 @@ _HOST_FILTER = and_(
 
 _GPU_COLS = (GPU.c.id, GPU.c.host_id, GPU.c.pci_address, GPU.c.model, GPU.c.mode, GPU.c.pool_id,
              GPU.c.pinned_type, GPU.c.mig_layout, GPU.c.layout, GPU.c.version, GPU.c.free_units)
-_HOST_COLS = (HOST.c.id, HOST.c.name, HOST.c.vcpus, HOST.c.memory_mib, HOST.c.cpu_overcommit,
+_HOST_COLS = (HOST.c.id, HOST.c.name, HOST.c.vgpu_backing, HOST.c.driver, HOST.c.vcpus, HOST.c.memory_mib,
+              HOST.c.cpu_overcommit,
               HOST.c.memory_overcommit, HOST.c.used_vcpus, HOST.c.used_memory_mib, HOST.c.state,
               HOST.c.labels)
 # Statements built once and reused (SQLAlchemy then memoizes their cache keys); values are bound per call.
@@ -152,10 +153,14 @@ def _order_key(policy: str) -> Callable[[Any], tuple[int, ...]]:
 
 @dataclass
 class Candidates:
-    """Candidate hosts for a request, with the versions read, for the compare-and-set."""
+    """Candidate hosts for a request, with what the claim needs of them: each GPU's version (for the
+    compare-and-set) and PCI address, and each host's vGPU backing."""
 
     hosts: list[HostView]
     versions: dict[int, int]
+    pcis: dict[int, str] = field(default_factory=dict)
+    backings: dict[int, str] = field(default_factory=dict)
+    simulated: dict[int, bool] = field(default_factory=dict)
 
 
 def _labels(raw: Any) -> dict[str, str]:
@@ -178,19 +183,22 @@ def _views(conn: Connection, catalog: Catalog, rows: Sequence[Any], anti_affinit
         for hid, in conn.execute(select(vm.c.host_id).where(vm.c.anti_affinity == anti_affinity,
                                                              vm.c.host_id.in_(list(by_host)))):
             groups.setdefault(hid, set()).add(anti_affinity)
-    views, versions = [], {}
+    out = Candidates([], {})
     for h in hosts:
         gpus = []
+        out.backings[h.id] = h.vgpu_backing
+        out.simulated[h.id] = h.driver == "simulated"
         for r in by_host[h.id]:
             gpus.append(GpuView(r.id, r.pci_address, occupancy_of(catalog, r._mapping),
                                 pool_names.get(r.pool_id) if r.pool_id else None))
-            versions[r.id] = r.version
-        views.append(HostView(
+            out.versions[r.id] = r.version
+            out.pcis[r.id] = r.pci_address
+        out.hosts.append(HostView(
             h.id, h.name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
             h.memory_mib * h.memory_overcommit - h.used_memory_mib, tuple(gpus), h.state,
             _labels(h.labels) if labels else {}, frozenset(groups.get(h.id, ())), order=h.id))
-    views.sort(key=lambda v: v.order)
-    return Candidates(views, versions)
+    out.hosts.sort(key=lambda v: v.order)
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -261,11 +269,12 @@ def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], 
     return _views(conn, catalog, rows, anti_affinity, pool_names)
 
 
-def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> bool:
-    """Add `delta` to the tenant's global usage if no limit is passed; False if one would be."""
+def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> bool | None:
+    """Add `delta` to the tenant's global usage if no limit is passed: None if one would be, else whether the
+    tenant has scoped limits (read under the row lock this update takes)."""
     stmt = _charge_tenant_stmt(tuple(delta), tuple(r for r, n in delta.items() if n > 0))
-    res = conn.execute(stmt, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}})
-    return res.rowcount == 1
+    row = conn.execute(stmt, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).first()
+    return None if row is None else bool(row[0])
 
 
 @lru_cache(maxsize=256)
@@ -274,7 +283,8 @@ def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) ->
     values = {f"{r}_used": TENANT.c[f"{r}_used"] + d[r] for r in resources}
     conds = [or_(TENANT.c[f"{r}_limit"].is_(None), TENANT.c[f"{r}_used"] + d[r] <= TENANT.c[f"{r}_limit"])
              for r in limited]
-    return update(TENANT).where(TENANT.c.id == bindparam("t_id"), *conds).values(**values)
+    return update(TENANT).where(TENANT.c.id == bindparam("t_id"), *conds).values(**values) \
+        .returning(TENANT.c.has_scoped_limits)
 
 
 _SCOPED_ROWS = select(SCOPED.c.scope, SCOPED.c.resource).where(SCOPED.c.tenant_id == bindparam("t_id"))

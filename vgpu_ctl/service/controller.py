@@ -306,15 +306,16 @@ class Controller:
                         idempotency_key, template)
         req.validate()
         try:
-            vm_id = self._claim(req, dry_run)
+            claimed = self._claim(req, dry_run)
         except Refused as exc:
             if not dry_run:
                 self._record_refusal(req, exc)
             raise
-        if dry_run:
-            assert isinstance(vm_id, Placement)
-            return vm_id
-        assert isinstance(vm_id, str)
+        if isinstance(claimed, Placement):
+            return claimed
+        if isinstance(claimed, VmInfo) and not provision:
+            return claimed  # just claimed: what the claim wrote, without reading it back
+        vm_id = claimed.id if isinstance(claimed, VmInfo) else claimed
         if provision:
             from vgpu_ctl.service.provision import provision_vm
             provision_vm(self, vm_id)
@@ -328,7 +329,7 @@ class Controller:
                            "memory_mib": req.memory_mib, "pool": req.pool, "message": exc.message},
                    result="refused", error=exc.code)
 
-    def _claim(self, req: VmRequest, dry_run: bool) -> str | Placement:
+    def _claim(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
         for attempt in range(MAX_RETRIES):
             try:
                 return self._claim_once(req, dry_run)
@@ -358,7 +359,7 @@ class Controller:
             raise Conflict("idempotency key race; try again")
         return str(row.id)
 
-    def _claim_once(self, req: VmRequest, dry_run: bool) -> str | Placement:
+    def _claim_once(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
         with self.engine.connect() as conn:
             trans = conn.begin()
             try:
@@ -373,7 +374,7 @@ class Controller:
                     trans.rollback()
                 raise
 
-    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | Placement:
+    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
         t = self._tenant_row(conn, req.tenant)
         if req.idempotency_key:
             row = conn.execute(select(VM.c.id).where(VM.c.tenant_id == t.id,
@@ -389,11 +390,10 @@ class Controller:
                  "memory_mib": req.memory_mib}
         preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
         pool_names = {p.id: p.name for p in pools}
-        if not alloc.charge_tenant(conn, t.id, delta):
+        # has_scoped is read under the tenant row's lock: a concurrent set_quota may have just added limits
+        has_scoped = alloc.charge_tenant(conn, t.id, delta)
+        if has_scoped is None:
             raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], {})
-        # read under the tenant row's lock: a concurrent set_quota may have just added scoped limits
-        has_scoped = bool(conn.execute(select(alloc.TENANT.c.has_scoped_limits)
-                                       .where(alloc.TENANT.c.id == t.id)).scalar())
         reasons: list[dict[str, Any]] = []
         for pool in pools:
             charges = self._scoped_charges(pool.name, delta, profiles)  # kept on the VM for its release
@@ -403,7 +403,7 @@ class Controller:
                     reasons.extend(alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges).reasons)
                     alloc.uncharge(conn, t.id, {}, {k: n for k, n in charges.items() if k not in failed})
                     continue
-            chosen, versions = self._plan_in_pool(conn, preq, pool, pool_names)
+            chosen, page = self._plan_in_pool(conn, preq, pool, pool_names)
             if chosen is None:
                 alloc.uncharge(conn, t.id, {}, charges if has_scoped else {})
                 everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
@@ -412,17 +412,17 @@ class Controller:
                                 "gpus": sum(len(h.gpus) for h in everything.hosts),
                                 "counts": explain(preq, everything.hosts)})
                 continue
-            return self._commit_claim(conn, t, req, pool, chosen, versions, delta, charges, dry_run)
+            return self._commit_claim(conn, t, req, pool, chosen, page, delta, charges, dry_run)
         raise self._refusal(req, profiles, reasons)
 
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
-                      pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, dict[int, int]]:
+                      pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
         policy = get_policy(pool.policy, pool.demand)
         for page in alloc.candidate_pages(conn, self.catalog, preq, [pool.id], pool.policy, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:
-                return chosen, page.versions
-        return None, {}
+                return chosen, page
+        return None, alloc.Candidates([], {})
 
     @staticmethod
     def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, Any]]) -> Refused:
@@ -451,16 +451,14 @@ class Controller:
         return charges
 
     def _commit_claim(self, conn: Connection, t: Any, req: VmRequest, pool: Any, chosen: PlacementPlan,
-                      versions: Mapping[int, int], delta: Mapping[str, int],
-                      charges: Mapping[tuple[str, str], int], dry_run: bool) -> str | Placement:
+                      page: alloc.Candidates, delta: Mapping[str, int],
+                      charges: Mapping[tuple[str, str], int], dry_run: bool) -> VmInfo | Placement:
         alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
         for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
-            alloc.write_gpu(conn, gid, versions[gid], occ)
-        host = conn.execute(select(alloc.HOST.c.vgpu_backing).where(alloc.HOST.c.id == chosen.host_id)).one()
-        backing = {gid: self._backing(occ.geometry.shapes[d.profile].kind.value, host.vgpu_backing)
-                   for d in chosen.devices for gid, occ in chosen.occupancies.items() if gid == d.gpu_id}
-        pcis = dict(conn.execute(select(alloc.GPU.c.id, alloc.GPU.c.pci_address)
-                                 .where(alloc.GPU.c.id.in_(list(chosen.occupancies)))).all())
+            alloc.write_gpu(conn, gid, page.versions[gid], occ)
+        backing = {d.gpu_id: self._backing(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
+                                           page.backings[chosen.host_id]) for d in chosen.devices}
+        pcis = page.pcis
         placement_devices = tuple({"gpu": f"{chosen.host}/{pcis[d.gpu_id]}", "profile": d.profile,
                                    "start": d.start, "size": d.size} for d in chosen.devices)
         if dry_run:
@@ -474,11 +472,15 @@ class Controller:
             memory_mib=req.memory_mib, framebuffer_mib=delta["framebuffer_mib"], state="placed",
             idempotency_key=req.idempotency_key, anti_affinity=req.anti_affinity,
             template=req.template or pool.template or "domain.xml.j2", spec=spec))
-        alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
+        rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
         record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
                params={"name": req.name, "host": chosen.host, "pool": pool.name,
                        "devices": list(placement_devices)})
-        return vm_id
+        devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
+                                   r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
+                        for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
+        return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, "placed", req.vcpus, req.memory_mib,
+                      delta["framebuffer_mib"], devices, simulated=page.simulated.get(chosen.host_id, False))
 
     @staticmethod
     def _backing(kind: str, host_backing: str) -> str:
