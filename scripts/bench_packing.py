@@ -35,7 +35,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from bisect import insort
 from collections import Counter
@@ -46,13 +45,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from vgpu_ctl.catalog import Catalog, ProfileKind, load_catalog  # noqa: E402
-from vgpu_ctl.core.geometry import Geometry, Misfit, Mode, Occupancy, geometry_for  # noqa: E402
-from vgpu_ctl.core.placement import (  # noqa: E402
+from vgpu_ctl.catalog import Catalog, ProfileKind, load_catalog
+from vgpu_ctl.core.geometry import Geometry, Misfit, Mode, Occupancy, geometry_for
+from vgpu_ctl.core.placement import (
     GpuView,
     HostView,
     PlacementPlan,

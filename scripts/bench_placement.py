@@ -53,15 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from sqlalchemy import select
 
-from sqlalchemy import select  # noqa: E402
-
-from vgpu_ctl.catalog import Catalog, load_catalog  # noqa: E402
-from vgpu_ctl.core.geometry import Mode, Occupancy, encode_layout, geometry_for  # noqa: E402
-from vgpu_ctl.core.placement import (  # noqa: E402
+from vgpu_ctl.catalog import Catalog, load_catalog
+from vgpu_ctl.core.geometry import Mode, Occupancy, encode_layout, geometry_for
+from vgpu_ctl.core.placement import (
     GpuView,
     HostView,
     PlacementPlan,
@@ -69,12 +65,12 @@ from vgpu_ctl.core.placement import (  # noqa: E402
     get_policy,
     plan,
 )
-from vgpu_ctl.errors import NoCapacity  # noqa: E402
-from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl  # noqa: E402
-from vgpu_ctl.service import allocation as alloc  # noqa: E402
-from vgpu_ctl.service.controller import Controller  # noqa: E402
-from vgpu_ctl.service.inventory_apply import POOL, VM  # noqa: E402
-from vgpu_ctl.store.models import utcnow  # noqa: E402
+from vgpu_ctl.errors import NoCapacity
+from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.service.inventory_apply import POOL, VM
+from vgpu_ctl.store.models import utcnow
 
 GPUS_PER_HOST = 8
 FILL_TARGET = 0.90
