@@ -163,7 +163,7 @@ class Vm(SQLModel, table=True):
 
 class Device(SQLModel, table=True):
     """One carved vGPU or MIG instance on a GPU, held by a VM. (gpu_id, start) is unique and positions
-    never overlap (a trigger on SQLite, an exclusion constraint on PostgreSQL)."""
+    never overlap (an insert trigger on both engines, behind the compare-and-set on the GPU row)."""
 
     __table_args__ = (
         UniqueConstraint("gpu_id", "start", name="device_position_unique"),
