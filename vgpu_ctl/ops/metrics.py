@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -54,27 +54,23 @@ def histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(values)))
 
 
+def _counted(conn: Connection, family: GaugeMetricFamily | CounterMetricFamily, *columns: Any,
+             rename: Callable[[tuple[Any, ...]], list[str]] | None = None) -> GaugeMetricFamily | CounterMetricFamily:
+    """`family` with one sample per distinct value of `columns`: how many rows have it."""
+    for *keys, n in conn.execute(select(*columns, func.count()).group_by(*columns)).all():
+        family.add_metric(rename(tuple(keys)) if rename else [str(k) for k in keys], n)
+    return family
+
+
 def _inventory(conn: Connection) -> Iterator[Metric]:
     pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
-    gpus = GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs in the inventory.", labels=["model", "mode", "pool"])
-    for model, mode, pool_id, n in conn.execute(select(GPU.c.model, GPU.c.mode, GPU.c.pool_id, func.count())
-                                                .group_by(GPU.c.model, GPU.c.mode, GPU.c.pool_id)).all():
-        gpus.add_metric([model, mode, pools.get(pool_id, "")], n)
-    yield gpus
-    hosts = GaugeMetricFamily(f"{PREFIX}_hosts", "Hosts by state.", labels=["state"])
-    for state, n in conn.execute(select(HOST.c.state, func.count()).group_by(HOST.c.state)).all():
-        hosts.add_metric([state], n)
-    yield hosts
-    devs = GaugeMetricFamily(f"{PREFIX}_devices", "Carved vGPUs and MIG instances.",
-                             labels=["profile", "state"])
-    for profile, state, n in conn.execute(select(DEVICE.c.profile, DEVICE.c.state, func.count())
-                                          .group_by(DEVICE.c.profile, DEVICE.c.state)).all():
-        devs.add_metric([profile, state], n)
-    yield devs
-    vms = GaugeMetricFamily(f"{PREFIX}_vms", "VMs by state.", labels=["state"])
-    for state, n in conn.execute(select(VM.c.state, func.count()).group_by(VM.c.state)).all():
-        vms.add_metric([state], n)
-    yield vms
+    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs in the inventory.",
+                                           labels=["model", "mode", "pool"]),
+                   GPU.c.model, GPU.c.mode, GPU.c.pool_id, rename=lambda k: [k[0], k[1], pools.get(k[2], "")])
+    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_hosts", "Hosts by state.", labels=["state"]), HOST.c.state)
+    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_devices", "Carved vGPUs and MIG instances.",
+                                           labels=["profile", "state"]), DEVICE.c.profile, DEVICE.c.state)
+    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_vms", "VMs by state.", labels=["state"]), VM.c.state)
 
 
 def _tenants(conn: Connection) -> Iterator[Metric]:
@@ -107,18 +103,14 @@ def _tenants(conn: Connection) -> Iterator[Metric]:
 
 
 def _events(conn: Connection) -> Iterator[Metric]:
+    refused = select(EVENT.c.error, func.count()).where(EVENT.c.result == "refused").group_by(EVENT.c.error)
     refusals = CounterMetricFamily(f"{PREFIX}_refusals", "Requests refused (quota, capacity), by reason.",
                                    labels=["reason"])
-    for code, n in conn.execute(select(EVENT.c.error, func.count()).where(EVENT.c.result == "refused")
-                                .group_by(EVENT.c.error)).all():
+    for code, n in conn.execute(refused).all():
         refusals.add_metric([code or "unknown"], n)
     yield refusals
-    events = CounterMetricFamily(f"{PREFIX}_events", "Audit events, by action and result.",
-                                 labels=["action", "result"])
-    for action, result, n in conn.execute(select(EVENT.c.action, EVENT.c.result, func.count())
-                                          .group_by(EVENT.c.action, EVENT.c.result)).all():
-        events.add_metric([action, result], n)
-    yield events
+    yield _counted(conn, CounterMetricFamily(f"{PREFIX}_events", "Audit events, by action and result.",
+                                             labels=["action", "result"]), EVENT.c.action, EVENT.c.result)
     yield histogram(f"{PREFIX}_vm_provision_duration_seconds",
                     "Time from a VM's claim to its first start.", provision_durations(conn))
 

@@ -63,20 +63,16 @@ def _occupancy(catalog: Catalog, model: str, mode: str, mig_layout: str, layout:
     return Occupancy(geom, decode_layout(layout), pinned_type, fixed)
 
 
-def _gpu_filter(catalog: Catalog, profiles: Iterable[str]) -> Any:
-    """SQL condition: a GPU whose model and mode offer one of the profiles and that has room for it."""
-    return _gpu_filter_for(catalog, frozenset(profiles))
-
-
 @lru_cache(maxsize=1024)
 def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
+    """SQL condition: a GPU whose model and mode offer one of the profiles and that has room for it."""
     clauses = _gpu_clauses(catalog, profiles)
     return or_(*clauses) if clauses else literal(False)
 
 
 @lru_cache(maxsize=1024)
 def _gpu_clauses(catalog: Catalog, profiles: frozenset[str]) -> tuple[Any, ...]:
-    """One condition per (profile, model, mode) that can hold it; `_gpu_filter` is their OR."""
+    """One condition per (profile, model, mode) that can hold it; `_gpu_filter_for` is their OR."""
     clauses = []
     for name in sorted(profiles):
         for model in catalog.models_offering(name):

@@ -34,7 +34,7 @@ from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.quotas import VM, set_limits, usage_report
 from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
 from vgpu_ctl.store import migrate
-from vgpu_ctl.store.engine import is_sqlite, make_engine, state_dir
+from vgpu_ctl.store.engine import make_engine, state_dir
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 MAX_RETRIES = 30
@@ -590,11 +590,6 @@ class Controller:
 
         from vgpu_ctl.service.reconcile import reconcile
         return reconcile(self, fix=fix, stuck_after=timedelta(seconds=stuck_after_seconds), progress=progress)
-
-    @property
-    def is_sqlite(self) -> bool:
-        """True when the store is SQLite."""
-        return is_sqlite(self.engine)
 
 
 __all__ = ["BASE_RESOURCES", "Controller", "Principal"]

@@ -7,7 +7,6 @@ state that `reconcile` can finish or roll back. A failed step undoes what the re
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 log = logging.getLogger(__name__)
-PROVISION_SECONDS: list[float] = []  # observed durations, read by the metrics exporter
 
 
 def domain_name(vm: Any) -> str:
@@ -60,7 +58,6 @@ def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
 
 def provision_vm(ctl: Controller, vm_id: str) -> None:
     """Drive a placed VM to running; on failure undo everything and raise HostError."""
-    began = time.monotonic()
     try:
         with ctl.engine.connect() as conn:
             vm, host, devs = _load(ctl, conn, vm_id)
@@ -86,7 +83,6 @@ def provision_vm(ctl: Controller, vm_id: str) -> None:
             _set_state(conn, vm_id, "running", error=None)
             record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
                    params={"name": vm.name})
-        PROVISION_SECONDS.append(time.monotonic() - began)
     except VgpuCtlError as exc:
         undo(ctl, vm_id, exc.message)
         if isinstance(exc, HostError):

@@ -5,8 +5,10 @@ It never removes a device that a defined domain uses, and never touches a domain
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
@@ -93,7 +95,7 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
                 f = Finding("unknown-domain", host.name, d.name, f"vgpu-ctl domain of VM {vm_id} the store "
                                                                  "does not know", action="undefine domain")
                 if fix:
-                    _try(f, lambda name=d.name, drv=driver: drv.undefine_domain(name))
+                    _try(f, partial(driver.undefine_domain, d.name))
                     used_by_domain -= set(d.metadata.get("devices", "").split(","))
                 report.findings.append(f)
         host_uuids = {hd.uuid for hd in host_devices if hd.uuid}
@@ -110,7 +112,7 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
             if fix:
                 spec = DeviceSpec(device_id=hd.uuid, gpu_pci=hd.gpu_pci, backing=hd.backing,
                                   profile=hd.profile or "", start=0, size=0, uuid=hd.uuid)
-                _try(f, lambda s=spec, drv=driver: drv.remove_device(s))
+                _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
         for vm in (v for v in vms if v.host_id == host.id):
             report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, cutoff, fix))
@@ -127,47 +129,43 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
     updated = vm.updated_at.replace(tzinfo=None) if vm.updated_at is not None else None
     stale = updated is None or updated <= cutoff.replace(tzinfo=None)
     mine = {u for u, owner in store_uuids.items() if owner == vm.id}
+    def finding(kind: str, detail: str, action: str, repair: Callable[[], object]) -> list[Finding]:
+        f = Finding(kind, host.name, f"vm:{vm.id}", detail, action=action)
+        if fix:
+            _try(f, repair)
+        return [f]
+
     if vm.state in INTERMEDIATE and stale:
-        f = Finding("stuck-claim", host.name, f"vm:{vm.id}", f"VM {vm.name} stuck in {vm.state} since "
-                                                             f"{vm.updated_at}", action="roll back")
-        if fix:
-            _try(f, lambda: undo(ctl, vm.id, f"rolled back by reconcile: stuck in {vm.state}"))
-        return [f]
+        return finding("stuck-claim", f"VM {vm.name} stuck in {vm.state} since {vm.updated_at}", "roll back",
+                       lambda: undo(ctl, vm.id, f"rolled back by reconcile: stuck in {vm.state}"))
     if vm.state == "releasing" and stale:
-        f = Finding("stuck-release", host.name, f"vm:{vm.id}", f"VM {vm.name} stuck releasing",
-                    action="finish release")
-        if fix:
-            _try(f, lambda: release_vm(ctl, vm.id))
-        return [f]
+        return finding("stuck-release", f"VM {vm.name} stuck releasing", "finish release",
+                       lambda: release_vm(ctl, vm.id))
     if vm.state not in LIVE:
         return []
     missing_devices = sorted(mine - host_uuids)
     if name in domain_names and not missing_devices:
         if vm.state == "defined" and stale:
-            f = Finding("stuck-start", host.name, f"vm:{vm.id}", f"VM {vm.name} defined but never started",
-                        action="start domain")
-            if fix:
-                _try(f, lambda: provision_vm(ctl, vm.id))
-            return [f]
+            return finding("stuck-start", f"VM {vm.name} defined but never started", "start domain",
+                           lambda: provision_vm(ctl, vm.id))
         return []
     what = []
     if name not in domain_names:
         what.append(f"domain {name} vanished")
     if missing_devices:
         what.append(f"devices missing on host: {', '.join(missing_devices)}")
-    f = Finding("lost-vm", host.name, f"vm:{vm.id}", f"VM {vm.name} ({vm.state}): {'; '.join(what)}",
-                action="recreate devices and domain")
-    if fix:
-        def repair() -> None:
-            with ctl.tx() as conn:
-                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
-                conn.execute(update(VM).where(VM.c.id == vm.id).values(state="placed", updated_at=utcnow()))
-            provision_vm(ctl, vm.id)
-        _try(f, repair)
-    return [f]
+
+    def recreate() -> None:
+        with ctl.tx() as conn:
+            conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
+            conn.execute(update(VM).where(VM.c.id == vm.id).values(state="placed", updated_at=utcnow()))
+        provision_vm(ctl, vm.id)
+
+    return finding("lost-vm", f"VM {vm.name} ({vm.state}): {'; '.join(what)}", "recreate devices and domain",
+                   recreate)
 
 
-def _try(f: Finding, action: Any) -> None:
+def _try(f: Finding, action: Callable[[], object]) -> None:
     try:
         action()
         f.fixed = True
