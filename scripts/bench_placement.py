@@ -56,7 +56,7 @@ from typing import Any
 from sqlalchemy import select
 
 from vgpu_ctl.catalog import Catalog, load_catalog
-from vgpu_ctl.core.geometry import Mode, Occupancy, encode_layout, geometry_for
+from vgpu_ctl.core.geometry import Mode, Occupancy, fit_mask, geometry_for, profile_bit
 from vgpu_ctl.core.placement import (
     GpuView,
     HostView,
@@ -328,6 +328,7 @@ def _bulk_hosts(ctl: Controller, catalog: Catalog, n_gpus: int) -> None:
                     "active_type": None,
                     "layout": "",
                     "device_count": 0,
+                    "fits": fit_mask(Occupancy(geometry_for(catalog, spec.model, spec.mode))),
                     "version": 0,
                 }
                 for j in range(k)
@@ -385,15 +386,7 @@ def prefill(url: str, catalog: Catalog, target: float, seed: int) -> float:
                 geom = geometry_for(catalog, spec.model, spec.mode)
                 occ = _fill_gpu(rng, Occupancy(geom), spec, rng.uniform(0.8, 1.0))
                 filled += (geom.axis - occ.free_units) / geom.axis
-                gpu_updates.append(
-                    {
-                        "g_id": g.id,
-                        "layout": encode_layout(occ.slots),
-                        "free_units": occ.free_units,
-                        "active_type": occ.slots[0].profile if geom.homogeneous and occ.slots else None,
-                        "device_count": len(occ.slots),
-                    }
-                )
+                gpu_updates.append({"g_id": g.id, **{f"g_{k}": v for k, v in alloc.gpu_state(occ).items()}})
                 for s in occ.slots:
                     shape = geom.shapes[s.profile]
                     vcpus, mem = vm_size(shape.size / geom.axis)
@@ -465,11 +458,8 @@ def prefill(url: str, catalog: Catalog, target: float, seed: int) -> float:
                 alloc.GPU.update()
                 .where(alloc.GPU.c.id == bindparam("g_id"))
                 .values(
-                    layout=bindparam("layout"),
-                    free_units=bindparam("free_units"),
-                    active_type=bindparam("active_type"),
-                    device_count=bindparam("device_count"),
-                    version=alloc.GPU.c.version + 1,
+                    {name: bindparam(f"g_{name}") for name in alloc.GPU_STATE_COLUMNS}
+                    | {"version": alloc.GPU.c.version + 1}
                 )
             )
             for c in range(0, len(gpu_updates), 20_000):
@@ -610,12 +600,7 @@ class CoreFleet:
     def _gpu_ok(g: _Gpu, free: int, clauses: Sequence[tuple[tuple[str, str, str], int, str]]) -> bool:
         geom = g.occ.geometry
         for (_pool, model, mode), size, name in clauses:
-            if geom.model != model or geom.mode.value != mode or free < size:
-                continue
-            if mode != Mode.VGPU_EQUAL.value:
-                return True
-            active = g.occ.slots[0].profile if g.occ.slots else None
-            if active in (None, name) and g.occ.pinned_type in (None, name):
+            if geom.model == model and geom.mode.value == mode and free >= size and fit_mask(g.occ) & profile_bit(name):
                 return True
         return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,15 @@ class Catalog:
             self.models[m.model] = m
         self._by_pci = {pid: m for m in self.models.values() for pid in m.pci_device_ids}
         self._profiles = {name: self._flatten(m) for name, m in self.models.items()}
+        self._offering: dict[str, list[str]] = {}
+        for name, ps in self._profiles.items():
+            for p in ps:
+                if name not in self._offering.setdefault(p.name, []):
+                    self._offering[p.name].append(name)
+        digest = hashlib.sha256()
+        for name in sorted(self.models):
+            digest.update(self.models[name].model_dump_json().encode())
+        self.fingerprint = digest.hexdigest()  # changes whenever any model's data does
 
     def model(self, name: str) -> GpuModelSpec:
         """The model called `name`; CatalogError naming the known ones if absent."""
@@ -137,11 +147,11 @@ class Catalog:
 
     def models_offering(self, profile: str) -> list[str]:
         """Names of the models that offer a profile called `profile`."""
-        return [m for m, ps in self._profiles.items() if any(p.name == profile for p in ps)]
+        return list(self._offering.get(profile, ()))
 
     def profile_names(self) -> set[str]:
         """Every profile name in the catalog."""
-        return {p.name for ps in self._profiles.values() for p in ps}
+        return set(self._offering)
 
     @staticmethod
     def _flatten(m: GpuModelSpec) -> list[ProfileInfo]:

@@ -43,9 +43,9 @@ def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
 
 @app.command("init")
 def init(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Create or upgrade the state store."""
+    """Create or upgrade the state store (and recompute every GPU's fit mask from the catalog)."""
     def go(c: object) -> str:
-        return str(c.init())  # type: ignore[attr-defined]
+        return str(c.init(refresh_fit_masks=True))  # type: ignore[attr-defined]
 
     rev = run(as_json, go)
     print_json({"schema": rev}) if as_json else console.print(f"store ready (schema {rev})")

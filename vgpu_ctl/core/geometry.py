@@ -6,10 +6,11 @@ covering the axis. Fitting, freeing and "what still fits" are the same code for 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cache
+from functools import cache, lru_cache
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
 from vgpu_ctl.errors import InvalidInput
@@ -112,12 +113,19 @@ class Occupancy:
     pinned_type: str | None = None
     fixed_layout: frozenset[tuple[str, int]] | None = None  # (group, start) pairs the admin carved
     mask: int = field(init=False, compare=False)
+    _hash: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         m = 0
         for s in self.slots:
             m |= _mask(s.start, s.size)
         object.__setattr__(self, "mask", m)
+        object.__setattr__(self, "_hash", hash((id(self.geometry), self.slots, self.pinned_type,
+                                                self.fixed_layout)))
+
+    def __hash__(self) -> int:
+        # Occupancies key the policies' caches: hashing the slots once, not on every lookup.
+        return self._hash
 
     @property
     def free_units(self) -> int:
@@ -238,6 +246,26 @@ def _capacity(occ: Occupancy, profile: str) -> int:
             mask |= m
             count += 1
     return count
+
+
+FIT_BITS = 63  # a fit mask fits a signed 64-bit column
+
+
+def profile_bit(profile: str) -> int:
+    """The bit standing for `profile` in fit masks: a stable hash of the name, so several profiles may share
+    a bit and a mask only ever over-approximates what fits."""
+    return 1 << (zlib.crc32(profile.encode()) % FIT_BITS)
+
+
+@lru_cache(maxsize=65536)
+def fit_mask(occ: Occupancy) -> int:
+    """The OR of `profile_bit` over the profiles that could be added to this GPU now: what a store keeps beside
+    a GPU's layout so that a query can skip GPUs where a profile cannot go."""
+    bits = 0
+    for name in occ.geometry.shapes:
+        if _misfit(occ, name) is None:
+            bits |= profile_bit(name)
+    return bits
 
 
 def build_geometry(catalog: Catalog, model: str, mode: Mode) -> Geometry:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
-from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, geometry_for
+from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, fit_mask, geometry_for
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
@@ -135,6 +135,10 @@ def _gpu_mirror(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
         except (VgpuCtlError, ValueError) as exc:
             yield Problem(label, f"layout {g.layout!r} is not valid on a {g.model} in {g.mode} mode: {exc}",
                           f"delete the VMs on this GPU that break the layout, then {RECONCILE}")
+            continue
+        if g.fits != fit_mask(occ):
+            yield Problem(label, f"fit mask is {g.fits:#x} but its layout gives {fit_mask(occ):#x} (placement "
+                          "may skip this GPU)", "run `vgpuctl init` (recomputes every fit mask)")
 
 
 def _one_type(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:

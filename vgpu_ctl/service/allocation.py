@@ -12,17 +12,25 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Integer, Table, and_, bindparam, func, literal, or_, select, update
+from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, func, literal, null, or_, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.sql import Select, Update
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
-from vgpu_ctl.core.geometry import Mode, Occupancy, decode_layout, encode_layout, geometry_for
+from vgpu_ctl.core.geometry import (
+    Mode,
+    Occupancy,
+    decode_layout,
+    encode_layout,
+    fit_mask,
+    geometry_for,
+    profile_bit,
+)
 from vgpu_ctl.core.placement import GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
 from vgpu_ctl.store.models import Device, Gpu, Host, ScopedQuota, Tenant
+from vgpu_ctl.store.prepared import Prepared, insert_all
 
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
 HOST: Table = Host.__table__  # type: ignore[attr-defined]
@@ -82,32 +90,30 @@ def _gpu_clauses(catalog: Catalog, profiles: frozenset[str]) -> tuple[Any, ...]:
                 shape = geometry_for(catalog, model, mode).shape(name)
                 if shape is None:
                     continue
-                cond = [GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= shape.size]
-                if mode == Mode.VGPU_EQUAL.value:
-                    cond.append(or_(GPU.c.active_type.is_(None), GPU.c.active_type == name))
-                    cond.append(or_(GPU.c.pinned_type.is_(None), GPU.c.pinned_type == name))
-                clauses.append(and_(*cond))
+                # The fit mask also rules out an equal-size GPU holding or pinned to another type.
+                clauses.append(and_(GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= shape.size,
+                                    GPU.c.fits.op("&")(literal(profile_bit(name), BigInteger)) != 0))
     return tuple(clauses)
 
 
-# The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
 @lru_cache(maxsize=1024)
-def _offer_statement(catalog: Catalog, profile: str) -> Any:
+def _offer_statement(catalog: Catalog, profile: str) -> Prepared:
     pairs = []
     for model in catalog.models_offering(profile):
         p = catalog.profile(model, profile)
         assert p is not None
         pairs += [and_(GPU.c.mode == mode, GPU.c.model == model) for mode in modes_for(p.kind)
                   if geometry_for(catalog, model, mode).shape(profile) is not None]
-    return select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id"), or_(*pairs) if pairs else literal(False)) \
-        .limit(1)
+    return Prepared(select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id", type_=Integer),
+                                           or_(*pairs) if pairs else literal(False)).limit(1))
 
 
 def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) -> bool:
     """True when some GPU of the pool, by its model and mode, can hold `profile` (an indexed lookup)."""
-    return conn.execute(_offer_statement(catalog, profile), {"pool_id": pool_id}).first() is not None
+    return _offer_statement(catalog, profile).run(conn, {"pool_id": pool_id}).fetchone() is not None
 
 
+# The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
 _HOST_FILTER = and_(
     HOST.c.state == "active",
     HOST.c.used_vcpus + bindparam("req_vcpus", type_=Integer) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
@@ -122,9 +128,38 @@ _HOST_COLS = (HOST.c.id, HOST.c.name, HOST.c.vgpu_backing, HOST.c.driver, HOST.c
               HOST.c.cpu_overcommit,
               HOST.c.memory_overcommit, HOST.c.used_vcpus, HOST.c.used_memory_mib, HOST.c.state,
               HOST.c.labels)
-# Statements built once and reused (SQLAlchemy then memoizes their cache keys); values are bound per call.
-_HOSTS_BY_ID = select(*_HOST_COLS).where(HOST.c.id.in_(bindparam("host_ids", expanding=True)))
-_HOSTS_BY_ID_NO_LABELS = select(*_HOST_COLS[:-1]).where(HOST.c.id.in_(bindparam("host_ids", expanding=True)))
+
+
+class CandidateRow(NamedTuple):
+    """A candidate GPU with its host's columns (a row of the candidate queries)."""
+
+    id: int
+    host_id: int
+    pci_address: str
+    model: str
+    mode: str
+    pool_id: int | None
+    pinned_type: str | None
+    mig_layout: str
+    layout: str
+    version: int
+    free_units: int
+    host_name: str
+    vgpu_backing: str
+    driver: str
+    vcpus: int
+    memory_mib: int
+    cpu_overcommit: float
+    memory_overcommit: float
+    used_vcpus: int
+    used_memory_mib: int
+    state: str
+    labels: Any = None  # read only for requests with labels
+
+
+# The GPU columns, then its host's (`_HOST_COLS` less the id, the name labelled), in CandidateRow's order.
+_CANDIDATE_COLS = (*_GPU_COLS, HOST.c.name.label("host_name"), *_HOST_COLS[2:])
+_NO_LABELS = (*_CANDIDATE_COLS[:-1], null().label("labels"))
 
 
 def _order(policy: str) -> list[Any]:
@@ -138,8 +173,8 @@ def _order(policy: str) -> list[Any]:
     return [GPU.c.free_units, GPU.c.id]
 
 
-def _order_key(policy: str) -> Callable[[Any], tuple[int, ...]]:
-    """`_order` in Python, on rows of the per-clause page queries (which carry `host_used_vcpus`)."""
+def _order_key(policy: str) -> Callable[[CandidateRow], tuple[int, ...]]:
+    """`_order` in Python, on candidate rows."""
     if policy == "spread":
         return lambda r: (-r.free_units, r.id)
     if policy == "first-fit":
@@ -163,104 +198,103 @@ def _labels(raw: Any) -> dict[str, str]:
     return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
-def _views(conn: Connection, catalog: Catalog, rows: Sequence[Any], anti_affinity: str | None,
-           pool_names: Mapping[int, str], labels: bool = True) -> Candidates:
-    """Candidate views of the GPU rows' hosts. Without `labels` the hosts' labels are not read (placement
-    looks at them only for a request with labels)."""
-    by_host: dict[int, list[Any]] = {}
+def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
+           pool_names: Mapping[int, str]) -> Candidates:
+    """Candidate views of the GPU rows' hosts, in host order."""
+    by_host: dict[int, list[CandidateRow]] = {}
     for r in rows:
         by_host.setdefault(r.host_id, []).append(r)
-    hosts = conn.execute(_HOSTS_BY_ID if labels else _HOSTS_BY_ID_NO_LABELS,
-                         {"host_ids": list(by_host)}).all() if by_host else []
-    groups: dict[int, set[str]] = {}
+    grouped: set[int] = set()
     if anti_affinity and by_host:
         from vgpu_ctl.store.models import Vm
         vm = Vm.__table__  # type: ignore[attr-defined]
-        for hid, in conn.execute(select(vm.c.host_id).where(vm.c.anti_affinity == anti_affinity,
-                                                             vm.c.host_id.in_(list(by_host)))):
-            groups.setdefault(hid, set()).add(anti_affinity)
+        grouped = {hid for hid, in conn.execute(select(vm.c.host_id).where(
+            vm.c.anti_affinity == anti_affinity, vm.c.host_id.in_(list(by_host))))}
     out = Candidates([], {})
-    for h in hosts:
+    for hid in sorted(by_host):
         gpus = []
-        out.backings[h.id] = h.vgpu_backing
-        out.simulated[h.id] = h.driver == "simulated"
-        for r in by_host[h.id]:
-            gpus.append(GpuView(r.id, r.pci_address, occupancy_of(catalog, r._mapping),
+        for r in by_host[hid]:
+            gpus.append(GpuView(r.id, r.pci_address,
+                                _occupancy(catalog, r.model, r.mode, r.mig_layout, r.layout, r.pinned_type),
                                 pool_names.get(r.pool_id) if r.pool_id else None))
             out.versions[r.id] = r.version
             out.pcis[r.id] = r.pci_address
+        h = by_host[hid][0]
+        out.backings[hid] = h.vgpu_backing
+        out.simulated[hid] = h.driver == "simulated"
         out.hosts.append(HostView(
-            h.id, h.name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
+            hid, h.host_name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
             h.memory_mib * h.memory_overcommit - h.used_memory_mib, tuple(gpus), h.state,
-            _labels(h.labels) if labels else {}, frozenset(groups.get(h.id, ())), order=h.id))
-    out.hosts.sort(key=lambda v: v.order)
+            _labels(h.labels), frozenset({anti_affinity}) if hid in grouped and anti_affinity else frozenset(),
+            order=hid))
     return out
 
 
 @lru_cache(maxsize=1024)
-def _candidate_statements(catalog: Catalog, profiles: frozenset[str], policy: str,
-                          multi: bool) -> tuple[tuple[Select[Any], ...], Select[Any] | None]:
+def _candidate_statements(catalog: Catalog, profiles: frozenset[str], policy: str, multi: bool,
+                          labels: bool) -> tuple[Prepared, ...]:
     """Single GPU: one page query per clause of the GPU filter (each a range of the gpu_candidates index,
     ordered by the policy, the first page_limit rows), merged by the caller: the same rows and order as
     the OR of the clauses, which SQLite can only answer by reading and sorting every matching GPU.
-    Multi-GPU: the host page query and the query of those hosts' GPUs. Bound at execution: pool_ids,
-    req_vcpus, req_memory_mib, page_limit (multi: page_offset, ndev, host_ids)."""
-    in_pools = GPU.c.pool_id.in_(bindparam("pool_ids", expanding=True))
+    Multi-GPU: one query, the GPUs of a page of hosts with enough candidate GPUs. Bound at execution:
+    pool_id, req_vcpus, req_memory_mib, page_limit (multi: page_offset, ndev)."""
+    cols = _CANDIDATE_COLS if labels else _NO_LABELS
+    in_pool = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
     limit = bindparam("page_limit", type_=Integer)
     if not multi:
-        cols = (*_GPU_COLS, HOST.c.used_vcpus.label("host_used_vcpus"))
-        return tuple(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
-                     .where(in_pools, clause, _HOST_FILTER).order_by(*_order(policy)).limit(limit)
-                     for clause in _gpu_clauses(catalog, profiles)), None
-    where = and_(in_pools, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
+        return tuple(Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
+                              .where(in_pool, clause, _HOST_FILTER).order_by(*_order(policy)).limit(limit))
+                     for clause in _gpu_clauses(catalog, profiles))
+    where = and_(in_pool, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
     free = func.sum(GPU.c.free_units)
-    hq = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
-          .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
-          .order_by(free if policy != "spread" else free.desc(), GPU.c.host_id)
-          .limit(limit).offset(bindparam("page_offset", type_=Integer)))
-    rows_q = select(*_GPU_COLS).join(HOST, HOST.c.id == GPU.c.host_id).where(
-        where, GPU.c.host_id.in_(bindparam("host_ids", expanding=True)))
-    return (hq,), rows_q
+    hosts_page = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
+                  .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
+                  .order_by(free if policy != "spread" else free.desc(), GPU.c.host_id)
+                  .limit(limit).offset(bindparam("page_offset", type_=Integer)))
+    return (Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
+                     .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery()))),)
 
 
-def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_ids: Sequence[int],
+def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
                     policy: str, pool_names: Mapping[int, str]) -> Iterable[Candidates]:
-    """Pages of candidate hosts, best first by the policy's order; each page is a few GPUs or hosts."""
+    """Pages of candidate hosts in a pool, best first by the policy's order; each page is a few GPUs or
+    hosts."""
     ndev = len(req.profiles)
-    page_qs, rows_q = _candidate_statements(catalog, frozenset(req.profiles), policy, ndev > 1)
-    if not page_qs:
-        return
-    params: dict[str, Any] = {"pool_ids": list(pool_ids), "req_vcpus": req.vcpus,
-                              "req_memory_mib": req.memory_mib}
     labels = bool(req.labels)
+    queries = _candidate_statements(catalog, frozenset(req.profiles), policy, ndev > 1, labels)
+    if not queries:
+        return
+    params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib}
+    order_key = _order_key(policy)
     offset = 0
-    rows: Sequence[Any]
+    rows: list[CandidateRow]
     while True:
-        if rows_q is None:
+        if ndev == 1:
             # Rows offset .. offset+PAGE of the merged order (a GPU matching several clauses counts once).
             params["page_limit"] = offset + PAGE
-            merged: dict[int, Any] = {}
-            for q in page_qs:
-                for r in conn.execute(q, params):
-                    merged.setdefault(r.id, r)
-            rows = sorted(merged.values(), key=_order_key(policy))[offset:offset + PAGE]
-            if not rows:
-                return
+            merged: dict[int, CandidateRow] = {}
+            for q in queries:
+                for t in q.run(conn, params).fetchall():
+                    merged.setdefault(t[0], CandidateRow._make(t))
+            rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(queries) > 1 \
+                else list(merged.values())[offset:]
+            step = PAGE
         else:
-            host_ids = [r[0] for r in conn.execute(page_qs[0], {**params, "page_limit": PAGE // 2,
-                                                                "page_offset": offset, "ndev": ndev})]
-            if not host_ids:
-                return
-            rows = conn.execute(rows_q, {**params, "host_ids": host_ids}).all()
-        yield _views(conn, catalog, rows, req.anti_affinity, pool_names, labels)
-        offset += PAGE if ndev == 1 else PAGE // 2
+            rows = [CandidateRow._make(t) for t in queries[0].run(conn, {**params, "page_limit": PAGE // 2,
+                                                                    "page_offset": offset, "ndev": ndev})]
+            step = PAGE // 2
+        if not rows:
+            return
+        yield _views(conn, catalog, rows, req.anti_affinity, pool_names)
+        offset += step
 
 
 def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
                    anti_affinity: str | None, pool_names: Mapping[int, str]) -> Candidates:
     """Every GPU of the pools whose model offers a profile (any mode), for explaining a refusal."""
     models = {m for p in set(profiles) for m in catalog.models_offering(p)}
-    rows = conn.execute(select(*_GPU_COLS).where(GPU.c.pool_id.in_(list(pool_ids)))).all()
+    rows = [CandidateRow._make(r) for r in conn.execute(select(*_CANDIDATE_COLS).join(HOST, HOST.c.id == GPU.c.host_id)
+                                                   .where(GPU.c.pool_id.in_(list(pool_ids))))]
     rows = [r for r in rows if r.model in models] or rows
     return _views(conn, catalog, rows, anti_affinity, pool_names)
 
@@ -269,26 +303,27 @@ def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) ->
     """Add `delta` to the tenant's global usage if no limit is passed: None if one would be, else whether the
     tenant has scoped limits (read under the row lock this update takes)."""
     stmt = _charge_tenant_stmt(tuple(delta), tuple(r for r, n in delta.items() if n > 0))
-    row = conn.execute(stmt, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).first()
+    row = stmt.run(conn, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).fetchone()
     return None if row is None else bool(row[0])
 
 
 @lru_cache(maxsize=256)
-def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) -> Update:
+def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) -> Prepared:
     d = {r: bindparam(f"d_{r}", type_=Integer) for r in resources}
     values = {f"{r}_used": TENANT.c[f"{r}_used"] + d[r] for r in resources}
     conds = [or_(TENANT.c[f"{r}_limit"].is_(None), TENANT.c[f"{r}_used"] + d[r] <= TENANT.c[f"{r}_limit"])
              for r in limited]
-    return update(TENANT).where(TENANT.c.id == bindparam("t_id"), *conds).values(**values) \
-        .returning(TENANT.c.has_scoped_limits)
+    return Prepared(update(TENANT).where(TENANT.c.id == bindparam("t_id", type_=Integer), *conds)
+                    .values(**values).returning(TENANT.c.has_scoped_limits))
 
 
-_SCOPED_ROWS = select(SCOPED.c.scope, SCOPED.c.resource).where(SCOPED.c.tenant_id == bindparam("t_id"))
-_SCOPED_CHARGE = update(SCOPED).where(
-    SCOPED.c.tenant_id == bindparam("t_id"), SCOPED.c.scope == bindparam("s_scope"),
+_SCOPED_ROWS = Prepared(select(SCOPED.c.scope, SCOPED.c.resource)
+                        .where(SCOPED.c.tenant_id == bindparam("t_id", type_=Integer)))
+_SCOPED_CHARGE = Prepared(update(SCOPED).where(
+    SCOPED.c.tenant_id == bindparam("t_id", type_=Integer), SCOPED.c.scope == bindparam("s_scope"),
     SCOPED.c.resource == bindparam("s_resource"),
     SCOPED.c.used + bindparam("s_n", type_=Integer) <= SCOPED.c.limit_value,
-).values(used=SCOPED.c.used + bindparam("s_n", type_=Integer))
+).values(used=SCOPED.c.used + bindparam("s_n", type_=Integer)))
 
 
 def charge_scoped(conn: Connection, tenant_id: int,
@@ -296,13 +331,12 @@ def charge_scoped(conn: Connection, tenant_id: int,
     """Add to each scoped limit row that exists; returns the (scope, resource) pairs whose limit would
     pass."""
     failed = []
-    rows = conn.execute(_SCOPED_ROWS, {"t_id": tenant_id}).all()
+    rows = _SCOPED_ROWS.run(conn, {"t_id": tenant_id}).fetchall()
     for scope, resource in rows:
         n = charges.get((scope, resource), 0)
         if n == 0:
             continue
-        res = conn.execute(_SCOPED_CHARGE, {"t_id": tenant_id, "s_scope": scope, "s_resource": resource,
-                                            "s_n": n})
+        res = _SCOPED_CHARGE.run(conn, {"t_id": tenant_id, "s_scope": scope, "s_resource": resource, "s_n": n})
         if res.rowcount != 1:
             failed.append((scope, resource))
     return failed
@@ -341,18 +375,18 @@ def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[
     return QuotaExceeded(f"tenant {tenant!r} is over quota: {text}", reasons=reasons)
 
 
-_CLAIM_HOST = update(HOST).where(
-    HOST.c.id == bindparam("h_id"), HOST.c.state == "active",
+_CLAIM_HOST = Prepared(update(HOST).where(
+    HOST.c.id == bindparam("h_id", type_=Integer), HOST.c.state == "active",
     HOST.c.used_vcpus + bindparam("d_vcpus", type_=Integer) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
     HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=Integer)
     <= HOST.c.memory_mib * HOST.c.memory_overcommit,
 ).values(used_vcpus=HOST.c.used_vcpus + bindparam("d_vcpus", type_=Integer),
-         used_memory_mib=HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=Integer))
+         used_memory_mib=HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=Integer)))
 
 
 def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
     """Take vCPUs and memory on the host if it is active and has room (overcommit applied)."""
-    res = conn.execute(_CLAIM_HOST, {"h_id": host_id, "d_vcpus": vcpus, "d_memory_mib": memory_mib})
+    res = _CLAIM_HOST.run(conn, {"h_id": host_id, "d_vcpus": vcpus, "d_memory_mib": memory_mib})
     if res.rowcount != 1:
         raise ClaimConflict(f"host {host_id} changed")
 
@@ -363,24 +397,31 @@ def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) ->
         used_vcpus=HOST.c.used_vcpus - vcpus, used_memory_mib=HOST.c.used_memory_mib - memory_mib))
 
 
-_WRITE_GPU = update(GPU).where(GPU.c.id == bindparam("g_id"), GPU.c.version == bindparam("g_version")).values(
-    layout=bindparam("g_layout"), free_units=bindparam("g_free_units"),
-    active_type=bindparam("g_active_type"), device_count=bindparam("g_device_count"),
-    version=GPU.c.version + 1)
+GPU_STATE_COLUMNS = ("layout", "free_units", "active_type", "device_count", "fits")
+
+
+def gpu_state(occ: Occupancy) -> dict[str, Any]:
+    """The GPU row's columns that mirror its occupancy (GPU_STATE_COLUMNS)."""
+    return {"layout": encode_layout(occ.slots), "free_units": occ.free_units,
+            "active_type": occ.slots[0].profile if occ.geometry.homogeneous and occ.slots else None,
+            "device_count": len(occ.slots), "fits": fit_mask(occ)}
+
+
+_WRITE_GPU = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type_=Integer),
+                                         GPU.c.version == bindparam("g_version", type_=Integer)).values(
+    {**{name: bindparam(f"g_{name}", type_=GPU.c[name].type) for name in GPU_STATE_COLUMNS},
+     "version": GPU.c.version + 1}))
 
 
 def write_gpu(conn: Connection, gpu_id: int, version: int, occ: Occupancy) -> None:
     """Store a GPU's new occupancy if nobody changed it since `version` was read."""
-    res = conn.execute(_WRITE_GPU, {
-        "g_id": gpu_id, "g_version": version, "g_layout": encode_layout(occ.slots),
-        "g_free_units": occ.free_units,
-        "g_active_type": occ.slots[0].profile if occ.geometry.homogeneous and occ.slots else None,
-        "g_device_count": len(occ.slots)})
+    res = _WRITE_GPU.run(conn, {"g_id": gpu_id, "g_version": version,
+                                **{f"g_{k}": v for k, v in gpu_state(occ).items()}})
     if res.rowcount != 1:
         raise ClaimConflict(f"gpu {gpu_id} changed")
 
 
-_INSERT_DEVICE = DEVICE.insert()
+_INSERT_DEVICE = insert_all(DEVICE)
 
 
 def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: PlacementPlan,
@@ -395,7 +436,7 @@ def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: Placeme
                      "framebuffer_mib": shape.framebuffer_mib, "uuid": dev_id,
                      "backing": backing_of[d.gpu_id],
                      "handle": {}, "state": "claimed"})
-    conn.execute(_INSERT_DEVICE, rows)
+    _INSERT_DEVICE.run_many(conn, rows)
     return rows
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Integer, bindparam, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -30,14 +30,37 @@ from vgpu_ctl.errors import (
 from vgpu_ctl.inventory import InventoryDecl, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.fit_masks import ensure_fit_masks
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.quotas import VM, set_limits, usage_report
 from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine, state_dir
+from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 MAX_RETRIES = 30
+
+# The claim path's statements, compiled once (see vgpu_ctl.store.prepared).
+_TENANT_BY_NAME = Prepared(select(alloc.TENANT).where(alloc.TENANT.c.name == bindparam("name")))
+_POOL_BY_NAME = Prepared(select(POOL).where(POOL.c.name == bindparam("name")))
+_ALL_POOLS = Prepared(select(POOL).order_by(POOL.c.name))
+_INSERT_VM = insert_all(VM)
+_TENANT_ID = Prepared(select(alloc.TENANT.c.id).where(alloc.TENANT.c.name == bindparam("name")))
+_VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
+                                            VM.c.idempotency_key == bindparam("key")))
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """A request as the claim sees it once the store has been read: tenant, pools, the quota charge."""
+
+    tenant_id: int
+    pools: list[Any]
+    profiles: tuple[str, ...]
+    delta: dict[str, int]
+    preq: PlacementRequest
+    pool_names: dict[int, str]
 
 
 @dataclass(frozen=True)
@@ -76,9 +99,11 @@ class Controller:
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
-    def init(self) -> str:
-        """Create or upgrade the store's schema; the revision it is at."""
+    def init(self, refresh_fit_masks: bool = False) -> str:
+        """Create or upgrade the store's schema and bring the GPUs' fit masks up to date with the catalog
+        (all of them recomputed with `refresh_fit_masks`); the revision it is at."""
         migrate.upgrade(self.engine)
+        ensure_fit_masks(self.engine, self.catalog, force=refresh_fit_masks)
         return migrate.head_revision()
 
     @contextmanager
@@ -108,13 +133,21 @@ class Controller:
             raise PermissionDenied(f"{what} is an admin command; tenant {self.principal.tenant!r} may not run it")
 
     def _tenant_row(self, conn: Connection, name: str) -> Any:
-        row = conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.name == name)).first()
+        rows = _TENANT_BY_NAME.rows(conn, {"name": name})
+        row = rows[0] if rows else None
         if row is None or (self.principal.tenant_id is not None and row.id != self.principal.tenant_id):
             raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
         return row
 
+    def _tenant_id(self, conn: Connection, name: str) -> int:
+        row = _TENANT_ID.run(conn, {"name": name}).fetchone()
+        if row is None or (self.principal.tenant_id is not None and row[0] != self.principal.tenant_id):
+            raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
+        return int(row[0])
+
     def _pool_row(self, conn: Connection, name: str) -> Any:
-        row = conn.execute(select(POOL).where(POOL.c.name == name)).first()
+        rows = _POOL_BY_NAME.rows(conn, {"name": name})
+        row = rows[0] if rows else None
         if row is None:
             known = ", ".join(r[0] for r in conn.execute(select(POOL.c.name).order_by(POOL.c.name)))
             raise NotFound(f"pool {name!r} not found (known: {known or 'none'})",
@@ -360,6 +393,10 @@ class Controller:
         return str(row.id)
 
     def _claim_once(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
+        if not dry_run and not req.anti_affinity:
+            claimed = self._claim_optimistic(req)
+            if claimed is not None:
+                return claimed
         with self.engine.connect() as conn:
             trans = conn.begin()
             try:
@@ -374,51 +411,91 @@ class Controller:
                     trans.rollback()
                 raise
 
-    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
-        t = self._tenant_row(conn, req.tenant)
+    def _ask(self, conn: Connection, req: VmRequest) -> _Ask | str:
+        """What the claim needs to know of the store, or the id of the VM the idempotency key already made."""
+        t = self._tenant_id(conn, req.tenant)
         if req.idempotency_key:
-            row = conn.execute(select(VM.c.id).where(VM.c.tenant_id == t.id,
-                                                     VM.c.idempotency_key == req.idempotency_key)).first()
+            row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
             if row is not None:
-                return str(row.id)
-        pools = [self._pool_row(conn, req.pool)] if req.pool else \
-            conn.execute(select(POOL).order_by(POOL.c.name)).all()
+                return str(row[0])
+        pools = [self._pool_row(conn, req.pool)] if req.pool else _ALL_POOLS.rows(conn)
         pools = self._check_profiles(conn, req, pools)
         profiles = req.profiles()
         fb = sum(self._framebuffer(p) for p in profiles)
         delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": fb, "vcpus": req.vcpus,
                  "memory_mib": req.memory_mib}
         preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
-        pool_names = {p.id: p.name for p in pools}
+        return _Ask(t, pools, profiles, delta, preq, {p.id: p.name for p in pools})
+
+    def _claim_optimistic(self, req: VmRequest) -> str | VmInfo | None:
+        """Plan from a read of the store without its write lock, then claim in a short write transaction whose
+        conditional updates (quota, host capacity, each GPU's version) fail if anything changed since: the
+        design's "claim (conditional, retried on conflict)". Planning, the costly part, then runs beside other
+        claims. None when the plan needs the serialized path: nothing fits, or a limit would pass (both are
+        explained there), or a pool-scoped limit sends the request to another pool. Anti-affinity is a
+        constraint between VMs that a read cannot hold, so such requests always take the serialized path."""
+        with self.engine.connect() as conn:
+            ask = self._ask(conn, req)
+            if isinstance(ask, str):
+                return ask
+            for pool in ask.pools:
+                chosen, page = self._plan_in_pool(conn, ask.preq, pool, ask.pool_names)
+                if chosen is not None:
+                    break
+            else:
+                return None
+            conn.rollback()  # end the read (PostgreSQL); SQLite read outside any transaction
+            trans = conn.begin()
+            try:
+                charges = self._scoped_charges(pool.name, ask.delta, ask.profiles)
+                has_scoped = alloc.charge_tenant(conn, ask.tenant_id, ask.delta)
+                if has_scoped is None or (has_scoped and alloc.charge_scoped(conn, ask.tenant_id, charges)):
+                    trans.rollback()
+                    return None
+                result = self._commit_claim(conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges,
+                                            False)
+                trans.commit()
+            finally:
+                if trans.is_active:
+                    trans.rollback()
+        assert isinstance(result, VmInfo)
+        return result
+
+    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
+        ask = self._ask(conn, req)
+        if isinstance(ask, str):
+            return ask
+        t_id, pools, profiles, delta, preq, pool_names = (ask.tenant_id, ask.pools, ask.profiles, ask.delta,
+                                                          ask.preq, ask.pool_names)
         # has_scoped is read under the tenant row's lock: a concurrent set_quota may have just added limits
-        has_scoped = alloc.charge_tenant(conn, t.id, delta)
+        has_scoped = alloc.charge_tenant(conn, t_id, delta)
         if has_scoped is None:
-            raise alloc.quota_refusal(conn, t.id, req.tenant, delta, [], {})
+            raise alloc.quota_refusal(conn, t_id, req.tenant, delta, [], {})
         reasons: list[dict[str, Any]] = []
         for pool in pools:
             charges = self._scoped_charges(pool.name, delta, profiles)  # kept on the VM for its release
             if has_scoped:
-                failed = alloc.charge_scoped(conn, t.id, charges)
+                failed = alloc.charge_scoped(conn, t_id, charges)
                 if failed:  # this pool's own limits are reached: give back what was charged, try the next
-                    reasons.extend(alloc.quota_refusal(conn, t.id, req.tenant, {}, failed, charges).reasons)
-                    alloc.uncharge(conn, t.id, {}, {k: n for k, n in charges.items() if k not in failed})
+                    reasons.extend(alloc.quota_refusal(conn, t_id, req.tenant, {}, failed, charges).reasons)
+                    alloc.uncharge(conn, t_id, {}, {k: n for k, n in charges.items() if k not in failed})
                     continue
             chosen, page = self._plan_in_pool(conn, preq, pool, pool_names)
             if chosen is None:
-                alloc.uncharge(conn, t.id, {}, charges if has_scoped else {})
+                alloc.uncharge(conn, t_id, {}, charges if has_scoped else {})
                 everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
                                                   pool_names)
                 reasons.append({"kind": "capacity", "pool": pool.name,
                                 "gpus": sum(len(h.gpus) for h in everything.hosts),
                                 "counts": explain(preq, everything.hosts)})
                 continue
-            return self._commit_claim(conn, t, req, pool, chosen, page, delta, charges, dry_run)
+            return self._commit_claim(conn, t_id, req, pool, chosen, page, delta, charges, dry_run)
         raise self._refusal(req, profiles, reasons)
 
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
         policy = get_policy(pool.policy, pool.demand)
-        for page in alloc.candidate_pages(conn, self.catalog, preq, [pool.id], pool.policy, pool_names):
+        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, pool.policy, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:
                 return chosen, page
@@ -450,7 +527,7 @@ class Controller:
                 charges[(scope, f"profile:{p}")] = charges.get((scope, f"profile:{p}"), 0) + 1
         return charges
 
-    def _commit_claim(self, conn: Connection, t: Any, req: VmRequest, pool: Any, chosen: PlacementPlan,
+    def _commit_claim(self, conn: Connection, t_id: int, req: VmRequest, pool: Any, chosen: PlacementPlan,
                       page: alloc.Candidates, delta: Mapping[str, int],
                       charges: Mapping[tuple[str, str], int], dry_run: bool) -> VmInfo | Placement:
         alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
@@ -467,11 +544,11 @@ class Controller:
         spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
                 "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
                 "disk_gib": req.disk_gib, "network": req.network}
-        conn.execute(VM.insert().values(
-            id=vm_id, tenant_id=t.id, name=req.name, pool_id=pool.id, host_id=chosen.host_id, vcpus=req.vcpus,
-            memory_mib=req.memory_mib, framebuffer_mib=delta["framebuffer_mib"], state="placed",
-            idempotency_key=req.idempotency_key, anti_affinity=req.anti_affinity,
-            template=req.template or pool.template or "domain.xml.j2", spec=spec))
+        _INSERT_VM.run(conn, fill_defaults(VM, {
+            "id": vm_id, "tenant_id": t_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
+            "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
+            "state": "placed", "idempotency_key": req.idempotency_key, "anti_affinity": req.anti_affinity,
+            "template": req.template or pool.template or "domain.xml.j2", "spec": spec}))
         rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
         record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
                params={"name": req.name, "host": chosen.host, "pool": pool.name,

@@ -9,10 +9,10 @@ from sqlalchemy import Table, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog
-from vgpu_ctl.core.geometry import encode_layout, geometry_for, parse_mig_layout
+from vgpu_ctl.core.geometry import encode_layout, fit_mask, geometry_for, parse_mig_layout
 from vgpu_ctl.errors import Conflict
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST
+from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, occupancy_of
 from vgpu_ctl.store.models import Pool, Vm
 
 POOL: Table = Pool.__table__  # type: ignore[attr-defined]
@@ -36,6 +36,11 @@ def _gpu_fields(catalog: Catalog, g: GpuDecl, pool_ids: Mapping[str, int]) -> di
     layout = encode_layout(parse_mig_layout(geom, g.mig_layout)) if g.mig_layout else ""
     return {"model": g.model, "mode": g.mode.value, "pool_id": pool_ids.get(g.pool) if g.pool else None,
             "pinned_type": g.vgpu_type, "mig_layout": layout}
+
+
+def _fits(catalog: Catalog, row: Mapping[str, Any]) -> int:
+    """The fit mask of a GPU row as it will be written."""
+    return fit_mask(occupancy_of(catalog, row))
 
 
 def _diff(old: Mapping[Any, Any], new: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,7 +134,8 @@ def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
         if row is None:
             axis = geometry_for(catalog, g.model, g.mode).axis
             conn.execute(GPU.insert().values(host_id=host_id, pci_address=g.pci, axis_units=axis,
-                                             free_units=axis, **fields))
+                                             free_units=axis, fits=_fits(catalog, {**fields, "layout": ""}),
+                                             **fields))
             shown = {k: v for k, v in fields.items() if v not in (None, "")}
             changes.append({"action": "add", "kind": "gpu", "name": label,
                             "fields": _named(shown, pool_names)})
@@ -148,6 +154,7 @@ def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
         if {"model", "mode"} & d.keys():
             axis = geometry_for(catalog, g.model, g.mode).axis
             values.update(axis_units=axis, free_units=axis, layout="", active_type=None)
+        values["fits"] = _fits(catalog, {**row._mapping, **values})
         conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
         changes.append({"action": "update", "kind": "gpu", "name": label, "fields": _named(d, pool_names)})
     declared = {g.pci for g in h.gpus}

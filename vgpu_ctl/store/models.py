@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, CheckConstraint, Column, Index, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, CheckConstraint, Column, Index, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -51,8 +51,9 @@ class Host(SQLModel, table=True):
 
 
 class Gpu(SQLModel, table=True):
-    """A physical GPU. `layout`, `free_units` and `active_type` mirror its devices and change only by
-    a conditional update on `version`, so two claims can never both take the same space."""
+    """A physical GPU. `layout`, `free_units`, `active_type` and `fits` mirror its devices and change only by
+    a conditional update on `version`, so two claims can never both take the same space. `fits` is the
+    geometry's fit mask (`core.geometry.fit_mask`): the candidate query skips GPUs where a profile can't go."""
 
     __table_args__ = (
         UniqueConstraint("host_id", "pci_address", name="gpu_host_pci_unique"),
@@ -67,7 +68,7 @@ class Gpu(SQLModel, table=True):
     )
 
     id: int | None = Field(default=None, primary_key=True)
-    host_id: int = Field(foreign_key="host.id", index=True)
+    host_id: int = Field(foreign_key="host.id")
     pci_address: str
     model: str
     mode: str
@@ -79,6 +80,7 @@ class Gpu(SQLModel, table=True):
     active_type: str | None = None
     layout: str = ""  # occupied slots, compact form (geometry.encode_layout)
     device_count: int = 0
+    fits: int = Field(default=0, sa_column=Column(BigInteger, nullable=False, server_default="0"))
     version: int = 0
 
 
@@ -123,7 +125,7 @@ class ScopedQuota(SQLModel, table=True):
     )
 
     id: int | None = Field(default=None, primary_key=True)
-    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
     scope: str
     resource: str
     limit_value: int
@@ -143,7 +145,7 @@ class Vm(SQLModel, table=True):
     )
 
     id: str = Field(primary_key=True)
-    tenant_id: int = Field(foreign_key="tenant.id", index=True)
+    tenant_id: int = Field(foreign_key="tenant.id")
     name: str
     pool_id: int | None = Field(default=None, foreign_key="pool.id")
     host_id: int | None = Field(default=None, foreign_key="host.id", index=True)
@@ -172,7 +174,7 @@ class Device(SQLModel, table=True):
     )
 
     id: str = Field(primary_key=True)
-    gpu_id: int = Field(foreign_key="gpu.id", index=True)
+    gpu_id: int = Field(foreign_key="gpu.id")
     vm_id: str = Field(foreign_key="vm.id", index=True)
     profile: str
     kind: str
@@ -197,3 +199,10 @@ class Event(SQLModel, table=True):
     params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     result: str = "ok"
     error: str | None = None
+
+
+class Meta(SQLModel, table=True):
+    """Facts about the store itself (e.g. which catalog the GPUs' fit masks were computed with)."""
+
+    key: str = Field(primary_key=True)
+    value: str

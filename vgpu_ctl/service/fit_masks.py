@@ -1,0 +1,46 @@
+"""Keeping the GPUs' fit masks in step with the catalog they were computed from.
+
+A fit mask (`core.geometry.fit_mask`) depends on the catalog's geometry: a new profile, or a changed one,
+changes which GPUs could take it. The store records the fingerprint of the catalog the masks were computed
+with; a controller opening the store with another catalog recomputes them first.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Table, delete, insert, select, update
+from sqlalchemy.engine import Engine
+
+from vgpu_ctl.catalog import Catalog
+from vgpu_ctl.core.geometry import FIT_BITS, fit_mask
+from vgpu_ctl.errors import InvalidInput
+from vgpu_ctl.service.allocation import GPU, occupancy_of
+from vgpu_ctl.store.models import Meta
+
+META: Table = Meta.__table__  # type: ignore[attr-defined]
+CATALOG_KEY = "fit_masks_catalog"
+ALL_BITS = (1 << FIT_BITS) - 1  # a GPU the catalog can't describe stays a candidate; placement decides
+
+
+def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> int:
+    """Recompute every GPU's fit mask if they were computed with another catalog (or `force`); how many
+    masks changed."""
+    if not force:
+        with engine.connect() as conn:
+            seen = conn.execute(select(META.c.value).where(META.c.key == CATALOG_KEY)).scalar()
+        if seen == catalog.fingerprint:
+            return 0
+    changed = 0
+    with engine.begin() as conn:
+        rows = conn.execute(select(GPU.c.id, GPU.c.model, GPU.c.mode, GPU.c.mig_layout, GPU.c.layout,
+                                   GPU.c.pinned_type, GPU.c.fits)).all()
+        for r in rows:
+            try:
+                mask = fit_mask(occupancy_of(catalog, r._mapping))
+            except (InvalidInput, KeyError):
+                mask = ALL_BITS
+            if mask != r.fits:
+                conn.execute(update(GPU).where(GPU.c.id == r.id).values(fits=mask))
+                changed += 1
+        conn.execute(delete(META).where(META.c.key == CATALOG_KEY))
+        conn.execute(insert(META).values(key=CATALOG_KEY, value=catalog.fingerprint))
+    return changed

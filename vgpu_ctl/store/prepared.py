@@ -1,0 +1,152 @@
+"""Core statements compiled once per dialect and run on the connection's DB-API cursor.
+
+The claim path runs about ten statements per request; through `Connection.execute` each pays for SQLAlchemy's
+cache key, execution context and result wrapping, several times the database's own work. A `Prepared` keeps
+the statement's SQL, its parameter order and its types' bind processors, so a call is one DB-API `execute`
+inside the caller's transaction. Results are the driver's plain tuples.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Table, bindparam, insert
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.expression import Executable
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    sql: str
+    order: tuple[str, ...] | None  # parameter names in placeholder order (positional drivers), else None
+    literals: Mapping[str, Any]  # values the statement itself binds (e.g. `state == 'active'`)
+    processors: Mapping[str, Callable[[Any], Any]]  # type conversions (JSON, DATETIME on SQLite, ...)
+
+
+class Prepared:
+    """A statement compiled once per dialect; `run` binds parameters by name and executes it on the DB-API
+    connection underneath `conn` (in its transaction)."""
+
+    __slots__ = ("_compiled", "_results", "_row", "statement")
+
+    def __init__(self, statement: Executable) -> None:
+        self.statement = statement
+        self._compiled: dict[tuple[str, str], _Compiled] = {}
+        self._results: dict[tuple[str, str], tuple[Callable[[Any], Any] | None, ...]] = {}
+        names = list(getattr(statement, "selected_columns", {}).keys())
+        self._row: Callable[[Iterable[Any]], Any] | None = \
+            namedtuple("Row", names, rename=True)._make if names else None  # type: ignore[attr-defined]
+
+    def _for(self, dialect: Dialect) -> _Compiled:
+        key = (dialect.name, dialect.driver)
+        found = self._compiled.get(key)
+        if found is None:
+            found = self._compiled[key] = _compile(self.statement, dialect)
+        return found
+
+    def run(self, conn: Connection, params: Mapping[str, Any] | None = None) -> Any:
+        """Execute with `params` (by bind name); the DB-API cursor (fetchone/fetchall/rowcount)."""
+        c = self._for(conn.dialect)
+        return _execute(conn, c, _bind(c, params or {}))
+
+    def rows(self, conn: Connection, params: Mapping[str, Any] | None = None) -> list[Any]:
+        """The result rows, as named tuples (attributes named as the selected columns), values converted
+        as SQLAlchemy would (JSON decoded, ...)."""
+        assert self._row is not None, "rows() of a statement that selects nothing"
+        c = self._for(conn.dialect)
+        cur = _execute(conn, c, _bind(c, params or {}))
+        raw = cur.fetchall()
+        key = (conn.dialect.name, conn.dialect.driver)
+        results = self._results.get(key)
+        if results is None:  # the driver's column type codes are known once it has run
+            columns = list(getattr(self.statement, "selected_columns", ()))
+            results = self._results[key] = tuple(
+                col.type.dialect_impl(conn.dialect).result_processor(conn.dialect, desc[1])
+                for col, desc in zip(columns, cur.description, strict=True))
+        make = self._row
+        if not any(results):
+            return [make(t) for t in raw]
+        return [make(v if f is None else f(v) for f, v in zip(results, t, strict=True)) for t in raw]
+
+    def run_many(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Execute once per parameter set (an INSERT of several rows)."""
+        c = self._for(conn.dialect)
+        cur = _driver(conn).cursor()
+        try:
+            cur.executemany(c.sql, [_bind(c, r) for r in rows])
+        except conn.dialect.loaded_dbapi.Error as exc:
+            raise _wrapped(conn, c, exc) from exc
+        finally:
+            cur.close()
+
+
+def insert_all(table: Table) -> Prepared:
+    """An INSERT of every column of `table` but a generated key, each bound by its column name;
+    `fill_defaults` completes rows."""
+    return Prepared(insert(table).values({c.name: bindparam(c.name, type_=c.type) for c in table.columns
+                                          if c is not table.autoincrement_column}))
+
+
+def fill_defaults(table: Table, row: Mapping[str, Any]) -> dict[str, Any]:
+    """`row` with each missing column (but a generated key) set to its Python-side default, or None."""
+    out = dict(row)
+    for c in table.columns:
+        if c.name in out or c is table.autoincrement_column:
+            continue
+        d = c.default
+        if d is None:
+            out[c.name] = None
+        elif d.is_callable:
+            out[c.name] = d.arg(None)  # type: ignore[attr-defined]
+        else:
+            out[c.name] = d.arg  # type: ignore[attr-defined]
+    return out
+
+
+def _driver(conn: Connection) -> Any:
+    return conn.connection.driver_connection
+
+
+def _execute(conn: Connection, c: _Compiled, params: Any) -> Any:
+    try:
+        return _driver(conn).execute(c.sql, params)
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise _wrapped(conn, c, exc) from exc
+
+
+def _wrapped(conn: Connection, c: _Compiled, exc: Exception) -> Exception:
+    """The driver's error as SQLAlchemy raises it (IntegrityError, OperationalError, ...), so callers handle
+    prepared and ordinary statements alike."""
+    return DBAPIError.instance(c.sql, None, exc, conn.dialect.loaded_dbapi.Error, dialect=conn.dialect)
+
+
+def _bind(c: _Compiled, params: Mapping[str, Any]) -> Any:
+    values = {**c.literals, **params} if c.literals else params
+    if c.processors:
+        values = {k: (c.processors[k](v) if k in c.processors else v) for k, v in values.items()}
+    if c.order is None:
+        return values
+    try:
+        return tuple(values[name] for name in c.order)
+    except KeyError as exc:
+        raise TypeError(f"missing parameter {exc.args[0]!r} for: {c.sql}") from None
+
+
+def _compile(statement: Executable, dialect: Dialect) -> _Compiled:
+    compiled: Any = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+    sql: str = compiled.string
+    if "POSTCOMPILE" in sql:
+        raise ValueError(f"statement needs per-call rendering (expanding or literal-execute parameters): {sql}")
+    literals = {name: bp.value for name, bp in compiled.binds.items()
+                if not bp.required and bp.value is not None}
+    processors = {}
+    for name, bp in compiled.binds.items():
+        proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
+        if proc is not None:
+            processors[name] = proc
+    order = tuple(compiled.positiontup) if dialect.positional else None
+    return _Compiled(sql, order, literals, processors)
