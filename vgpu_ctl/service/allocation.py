@@ -71,46 +71,60 @@ def _occupancy(catalog: Catalog, model: str, mode: str, mig_layout: str, layout:
     return Occupancy(geom, decode_layout(layout), pinned_type, fixed)
 
 
-@lru_cache(maxsize=1024)
-def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
-    """SQL condition: a GPU whose model and mode offer one of the profiles and that has room for it."""
-    clauses = _gpu_clauses(catalog, profiles)
-    return or_(*clauses) if clauses else literal(False)
+@dataclass(frozen=True, slots=True)
+class Placeable:
+    """GPUs that can hold a profile: their model and mode, the profile's size on that axis, and its bit in
+    the GPUs' fit masks."""
+
+    model: str
+    mode: str
+    size: int
+    bit: int
 
 
 @lru_cache(maxsize=1024)
-def _gpu_clauses(catalog: Catalog, profiles: frozenset[str]) -> tuple[Any, ...]:
-    """One condition per (profile, model, mode) that can hold it; `_gpu_filter_for` is their OR."""
-    clauses = []
+def placeables(catalog: Catalog, profiles: frozenset[str]) -> tuple[Placeable, ...]:
+    """One entry per (model, mode) that offers one of the profiles, with that profile's size and bit."""
+    out = []
     for name in sorted(profiles):
         for model in catalog.models_offering(name):
             p = catalog.profile(model, name)
             assert p is not None
             for mode in modes_for(p.kind):
                 shape = geometry_for(catalog, model, mode).shape(name)
-                if shape is None:
-                    continue
-                # The fit mask also rules out an equal-size GPU holding or pinned to another type.
-                clauses.append(and_(GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= shape.size,
-                                    GPU.c.fits.op("&")(literal(profile_bit(name), BigInteger)) != 0))
-    return tuple(clauses)
+                if shape is not None:
+                    out.append(Placeable(model, mode, shape.size, profile_bit(name)))
+    return tuple(out)
+
+
+# A GPU that can take a profile now, with the Placeable bound at execution (c_model, c_mode, c_size, c_bit).
+# The fit mask also rules out an equal-size GPU holding or pinned to another type.
+_GPU_MATCH = and_(GPU.c.model == bindparam("c_model"), GPU.c.mode == bindparam("c_mode"),
+                  GPU.c.free_units >= bindparam("c_size", type_=Integer),
+                  GPU.c.fits.op("&")(bindparam("c_bit", type_=BigInteger)) != 0)
+
+
+def _match_params(c: Placeable) -> dict[str, Any]:
+    return {"c_model": c.model, "c_mode": c.mode, "c_size": c.size, "c_bit": c.bit}
 
 
 @lru_cache(maxsize=1024)
-def _offer_statement(catalog: Catalog, profile: str) -> Prepared:
-    pairs = []
-    for model in catalog.models_offering(profile):
-        p = catalog.profile(model, profile)
-        assert p is not None
-        pairs += [and_(GPU.c.mode == mode, GPU.c.model == model) for mode in modes_for(p.kind)
-                  if geometry_for(catalog, model, mode).shape(profile) is not None]
-    return Prepared(select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id", type_=Integer),
-                                           or_(*pairs) if pairs else literal(False)).limit(1))
+def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
+    """SQL condition: a GPU that can take one of the profiles now (the OR over their placeables)."""
+    clauses = [and_(GPU.c.model == c.model, GPU.c.mode == c.mode, GPU.c.free_units >= c.size,
+                    GPU.c.fits.op("&")(literal(c.bit, BigInteger)) != 0) for c in placeables(catalog, profiles)]
+    return or_(*clauses) if clauses else literal(False)
+
+
+_OFFER = Prepared(select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id", type_=Integer),
+                                         GPU.c.model == bindparam("c_model"), GPU.c.mode == bindparam("c_mode"))
+                  .limit(1))
 
 
 def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) -> bool:
-    """True when some GPU of the pool, by its model and mode, can hold `profile` (an indexed lookup)."""
-    return _offer_statement(catalog, profile).run(conn, {"pool_id": pool_id}).fetchone() is not None
+    """True when some GPU of the pool, by its model and mode, can hold `profile` (indexed lookups)."""
+    return any(_OFFER.run(conn, {"pool_id": pool_id, "c_model": c.model, "c_mode": c.mode}).fetchone()
+               is not None for c in placeables(catalog, frozenset((profile,))))
 
 
 # The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
@@ -230,29 +244,34 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
     return out
 
 
+_IN_POOL = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
+
+
+@lru_cache(maxsize=16)
+def _page_query(policy: str, labels: bool) -> Prepared:
+    """Single GPU: the first page_limit GPUs of one placeable, in the policy's order (a range of the
+    gpu_candidates index). Bound at execution: pool_id, the placeable, req_vcpus, req_memory_mib,
+    page_limit."""
+    return Prepared(select(*(_CANDIDATE_COLS if labels else _NO_LABELS)).join(HOST, HOST.c.id == GPU.c.host_id)
+                    .where(_IN_POOL, _GPU_MATCH, _HOST_FILTER).order_by(*_order(policy))
+                    .limit(bindparam("page_limit", type_=Integer)))
+
+
 @lru_cache(maxsize=1024)
-def _candidate_statements(catalog: Catalog, profiles: frozenset[str], policy: str, multi: bool,
-                          labels: bool) -> tuple[Prepared, ...]:
-    """Single GPU: one page query per clause of the GPU filter (each a range of the gpu_candidates index,
-    ordered by the policy, the first page_limit rows), merged by the caller: the same rows and order as
-    the OR of the clauses, which SQLite can only answer by reading and sorting every matching GPU.
-    Multi-GPU: one query, the GPUs of a page of hosts with enough candidate GPUs. Bound at execution:
-    pool_id, req_vcpus, req_memory_mib, page_limit (multi: page_offset, ndev)."""
+def _hosts_query(catalog: Catalog, profiles: frozenset[str], policy: str, labels: bool) -> Prepared:
+    """Multi-GPU: the GPUs of a page of hosts with enough GPUs that can take a profile, the hosts in the
+    policy's order of their free units. Bound at execution: pool_id, req_vcpus, req_memory_mib,
+    page_limit, page_offset, ndev."""
     cols = _CANDIDATE_COLS if labels else _NO_LABELS
-    in_pool = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
     limit = bindparam("page_limit", type_=Integer)
-    if not multi:
-        return tuple(Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
-                              .where(in_pool, clause, _HOST_FILTER).order_by(*_order(policy)).limit(limit))
-                     for clause in _gpu_clauses(catalog, profiles))
-    where = and_(in_pool, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
+    where = and_(_IN_POOL, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
     free = func.sum(GPU.c.free_units)
     hosts_page = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
                   .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
                   .order_by(free if policy != "spread" else free.desc(), GPU.c.host_id)
                   .limit(limit).offset(bindparam("page_offset", type_=Integer)))
-    return (Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
-                     .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery()))),)
+    return Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
+                    .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery())))
 
 
 def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
@@ -261,8 +280,8 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
     hosts."""
     ndev = len(req.profiles)
     labels = bool(req.labels)
-    queries = _candidate_statements(catalog, frozenset(req.profiles), policy, ndev > 1, labels)
-    if not queries:
+    targets = placeables(catalog, frozenset(req.profiles))
+    if not targets:
         return
     params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib}
     order_key = _order_key(policy)
@@ -270,18 +289,20 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
     rows: list[CandidateRow]
     while True:
         if ndev == 1:
-            # Rows offset .. offset+PAGE of the merged order (a GPU matching several clauses counts once).
+            # Rows offset .. offset+PAGE of the merged order of the placeables' ranges (the same rows and
+            # order as their OR, which SQLite can only answer by reading and sorting every matching GPU).
             params["page_limit"] = offset + PAGE
             merged: dict[int, CandidateRow] = {}
-            for q in queries:
-                for t in q.run(conn, params).fetchall():
+            for c in targets:
+                for t in _page_query(policy, labels).run(conn, {**params, **_match_params(c)}).fetchall():
                     merged.setdefault(t[0], CandidateRow._make(t))
-            rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(queries) > 1 \
+            rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(targets) > 1 \
                 else list(merged.values())[offset:]
             step = PAGE
         else:
-            rows = [CandidateRow._make(t) for t in queries[0].run(conn, {**params, "page_limit": PAGE // 2,
-                                                                    "page_offset": offset, "ndev": ndev})]
+            q = _hosts_query(catalog, frozenset(req.profiles), policy, labels)
+            rows = [CandidateRow._make(t) for t in q.run(conn, {**params, "page_limit": PAGE // 2,
+                                                                  "page_offset": offset, "ndev": ndev})]
             step = PAGE // 2
         if not rows:
             return

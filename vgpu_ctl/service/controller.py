@@ -35,6 +35,7 @@ from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.quotas import VM, set_limits, usage_report
 from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
 from vgpu_ctl.store import migrate
+from vgpu_ctl.store.checkpoint import WalCheckpointer
 from vgpu_ctl.store.engine import make_engine, state_dir
 from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
 
@@ -89,6 +90,7 @@ class Controller:
                  token: str | None = None, actor: str | None = None, host_factory: Any = None,
                  state_path: Path | None = None, init: bool = True) -> None:
         self.engine = engine or make_engine(url)
+        self._checkpointer = WalCheckpointer.for_engine(self.engine)
         self.catalog = catalog or load_catalog()
         self.state_path = state_path or state_dir()
         if init:
@@ -116,6 +118,8 @@ class Controller:
         """Release database connections and host connections."""
         self.hosts.close()
         self.engine.dispose()
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
 
     def _principal(self, token: str | None, actor: str | None) -> Principal:
         if not token:

@@ -23,6 +23,7 @@ from sqlalchemy.sql.expression import Executable
 class _Compiled:
     sql: str
     order: tuple[str, ...] | None  # parameter names in placeholder order (positional drivers), else None
+    names: frozenset[str]  # every parameter the statement binds
     literals: Mapping[str, Any]  # values the statement itself binds (e.g. `state == 'active'`)
     processors: Mapping[str, Callable[[Any], Any]]  # type conversions (JSON, DATETIME on SQLite, ...)
 
@@ -126,12 +127,16 @@ def _wrapped(conn: Connection, c: _Compiled, exc: Exception) -> Exception:
 
 def _bind(c: _Compiled, params: Mapping[str, Any]) -> Any:
     values = {**c.literals, **params} if c.literals else params
-    if c.processors:
-        values = {k: (c.processors[k](v) if k in c.processors else v) for k, v in values.items()}
-    if c.order is None:
-        return values
+    procs = c.processors
     try:
-        return tuple(values[name] for name in c.order)
+        if c.order is None:
+            missing = next((n for n in c.names if n not in values), None)
+            if missing is not None:
+                raise KeyError(missing)
+            return {k: procs[k](v) if k in procs else v for k, v in values.items()} if procs else values
+        if procs:
+            return tuple(procs[n](values[n]) if n in procs else values[n] for n in c.order)
+        return tuple(values[n] for n in c.order)
     except KeyError as exc:
         raise TypeError(f"missing parameter {exc.args[0]!r} for: {c.sql}") from None
 
@@ -149,4 +154,4 @@ def _compile(statement: Executable, dialect: Dialect) -> _Compiled:
         if proc is not None:
             processors[name] = proc
     order = tuple(compiled.positiontup) if dialect.positional else None
-    return _Compiled(sql, order, literals, processors)
+    return _Compiled(sql, order, frozenset(compiled.binds), literals, processors)
