@@ -600,7 +600,12 @@ class CoreFleet:
     def _gpu_ok(g: _Gpu, free: int, clauses: Sequence[tuple[tuple[str, str, str], int, str]]) -> bool:
         geom = g.occ.geometry
         for (_pool, model, mode), size, name in clauses:
-            if geom.model == model and geom.mode.value == mode and free >= size and fit_mask(g.occ) & profile_bit(name):
+            if (
+                geom.model == model
+                and geom.mode.value == mode
+                and free >= size
+                and fit_mask(g.occ) & profile_bit(geom, name)
+            ):
                 return True
         return False
 
@@ -789,6 +794,66 @@ def phase_store(
     }
 
 
+def _client(url: str, state: str, reqs: Sequence[Req], start_at: float) -> dict[str, Any]:
+    """One client process of the concurrent window: its share of the requests, one at a time."""
+    ctl = Controller(url, catalog=load_catalog(), state_path=Path(state))
+    lat: list[float] = []
+    placed = 0
+    time.sleep(max(0.0, start_at - time.time()))  # every client starts at the same moment
+    t_start = time.perf_counter()
+    try:
+        for r in reqs:
+            t0 = time.perf_counter()
+            try:
+                ctl.request_vm(
+                    r.tenant,
+                    f"w{r.index:07d}",
+                    [(r.profiles[0], len(r.profiles))],
+                    vcpus=r.vcpus,
+                    memory_mib=r.memory_mib,
+                    pool=r.pool,
+                    provision=False,
+                )
+                placed += 1
+            except NoCapacity:
+                pass
+            lat.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t_start
+    finally:
+        ctl.close()
+    return {"latencies": lat, "placed": placed, "wall": wall, "start": start_at}
+
+
+def phase_clients(url: str, state: str, n_requests: int, seed: int, clients: int) -> dict[str, Any]:
+    """The same request sequence from `clients` processes at once (request i goes to client i mod N):
+    placements per wall-clock second of the whole window and the latency of every request."""
+    reqs = request_sequence(load_catalog(), seed, n_requests)
+    ctx = multiprocessing.get_context("fork")
+    start_at = time.time() + 1.0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=clients, mp_context=ctx) as ex:
+        outs = list(
+            ex.map(
+                _client,
+                [url] * clients,
+                [f"{state}-{k}" for k in range(clients)],
+                [reqs[k::clients] for k in range(clients)],
+                [start_at] * clients,
+            )
+        )
+    lat = [x for o in outs for x in o["latencies"]]
+    placed = sum(o["placed"] for o in outs)
+    wall = max(o["wall"] for o in outs)
+    s = _stats(lat, placed)
+    return {
+        "clients": clients,
+        "requests": len(lat),
+        "placed": placed,
+        "placements_per_s": placed / wall if wall else 0.0,
+        "p50_ms": s["p50_ms"],
+        "p99_ms": s["p99_ms"],
+    }
+
+
 def _run(isolate: bool, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     if not isolate:
         return fn(*args)
@@ -831,8 +896,7 @@ def bench_size(
     target = min(0.88, max(0.0, FILL_TARGET - expected_fill(catalog, n_gpus, args.requests) - 0.02))
     built = _run(args.isolate, phase_build, url, str(work / "state"), n_gpus, args.build, target, args.seed)
     snap = work / "snap.db"
-    if with_provision:
-        _backup(db, snap)
+    _backup(db, snap)
     core = _run(args.isolate, phase_core, url, args.requests, args.seed, built["prefill"], n_gpus)
     prof = str(Path(args.profile) / f"store-{n_gpus}.prof") if args.profile else None
     store = _run(
@@ -878,6 +942,12 @@ def bench_size(
         "store_cpu_ms_per_request": 1000 * store["cpu_s"] / max(len(lat_s), 1),
         "core_cpu_ms_per_request": 1000 * core["cpu_s"] / max(len(core["latencies"]), 1),
     }
+    if args.clients > 1:
+        copy = work / "clients.db"
+        _backup(snap, copy)
+        row["concurrent"] = phase_clients(
+            f"sqlite:///{copy}", str(work / "state-clients"), len(store["results"]), args.seed, args.clients
+        )
     if with_provision:
         k = min(args.provision_requests, args.requests)
         runs = {}
@@ -976,6 +1046,13 @@ def render(report: Mapping[str, Any]) -> str:
                 f"  {r['fleet_gpus']} GPUs: {r['refused']} refusals (NoCapacity), "
                 f"mean {r['refusal_mean_ms']:.1f} ms each"
             )
+        if "concurrent" in r:
+            c = r["concurrent"]
+            lines.append(
+                f"  {r['fleet_gpus']} GPUs, the same {c['requests']} requests from {c['clients']} processes at once: "
+                f"{c['placements_per_s']:.0f} placements/s (wall clock), p50 {c['p50_ms']:.2f} ms, "
+                f"p99 {c['p99_ms']:.2f} ms"
+            )
         if "provision" in r:
             a, b = r["provision"]["claim_only"], r["provision"]["provisioned"]
             lines.append(
@@ -1002,6 +1079,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="requests of the provisioning comparison on the first size (0: skip)",
     )
     ap.add_argument("--build", choices=("auto", "declare", "bulk"), default="auto")
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=2,
+        help="also replay each window's requests from this many processes at once (1: skip)",
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--profile", metavar="DIR", help="write a cProfile of each store window to DIR")

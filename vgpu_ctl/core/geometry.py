@@ -6,7 +6,6 @@ covering the axis. Fitting, freeing and "what still fits" are the same code for 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -251,20 +250,23 @@ def _capacity(occ: Occupancy, profile: str) -> int:
 FIT_BITS = 63  # a fit mask fits a signed 64-bit column
 
 
-def profile_bit(profile: str) -> int:
-    """The bit standing for `profile` in fit masks: a stable hash of the name, so several profiles may share
-    a bit and a mask only ever over-approximates what fits."""
-    return 1 << (zlib.crc32(profile.encode()) % FIT_BITS)
+@lru_cache(maxsize=4096)
+def profile_bit(geometry: Geometry, profile: str) -> int:
+    """The bit standing for `profile` in the fit masks of GPUs of this geometry: its place among the geometry's
+    profiles (modulo FIT_BITS, so a mask only ever over-approximates what fits). 0 if the geometry lacks it."""
+    names = tuple(geometry.shapes)
+    return 1 << (names.index(profile) % FIT_BITS) if profile in geometry.shapes else 0
 
 
 @lru_cache(maxsize=65536)
 def fit_mask(occ: Occupancy) -> int:
     """The OR of `profile_bit` over the profiles that could be added to this GPU now: what a store keeps beside
-    a GPU's layout so that a query can skip GPUs where a profile cannot go."""
+    a GPU's layout so that a query can skip GPUs where a profile cannot go. Bits depend on the catalog, so a
+    store recomputes its masks when the catalog changes."""
     bits = 0
     for name in occ.geometry.shapes:
         if _misfit(occ, name) is None:
-            bits |= profile_bit(name)
+            bits |= profile_bit(occ.geometry, name)
     return bits
 
 

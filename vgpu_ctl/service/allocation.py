@@ -91,9 +91,10 @@ def placeables(catalog: Catalog, profiles: frozenset[str]) -> tuple[Placeable, .
             p = catalog.profile(model, name)
             assert p is not None
             for mode in modes_for(p.kind):
-                shape = geometry_for(catalog, model, mode).shape(name)
+                geom = geometry_for(catalog, model, mode)
+                shape = geom.shape(name)
                 if shape is not None:
-                    out.append(Placeable(model, mode, shape.size, profile_bit(name)))
+                    out.append(Placeable(model, mode, shape.size, profile_bit(geom, name)))
     return tuple(out)
 
 
@@ -457,7 +458,10 @@ def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: Placeme
                      "framebuffer_mib": shape.framebuffer_mib, "uuid": dev_id,
                      "backing": backing_of[d.gpu_id],
                      "handle": {}, "state": "claimed"})
-    _INSERT_DEVICE.run_many(conn, rows)
+    if len(rows) == 1:
+        _INSERT_DEVICE.run(conn, rows[0])
+    else:
+        _INSERT_DEVICE.run_many(conn, rows)
     return rows
 
 

@@ -37,7 +37,7 @@ from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, Vgp
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
 from vgpu_ctl.store.engine import make_engine, state_dir
-from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
+from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 MAX_RETRIES = 30
@@ -374,14 +374,15 @@ class Controller:
                 if isinstance(exc, OperationalError) and "lock" not in str(exc).lower() \
                         and "deadlock" not in str(exc).lower() and "serializ" not in str(exc).lower():
                     raise
-                time.sleep(0.001 * (attempt + 1))
+                time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
             except IntegrityError as exc:
-                if req.idempotency_key and "idempotency" in str(exc):
+                why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
+                if req.idempotency_key and ("vm_idempotency_unique" in why or "vm.idempotency_key" in why):
                     return self._by_idempotency(req)
-                if "vm_tenant_name_unique" in str(exc) or ("UNIQUE" in str(exc) and "vm.tenant_id" in str(exc)):
+                if "vm_tenant_name_unique" in why or "vm.name" in why:
                     raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
                                    reasons=[{"field": "name", "value": req.name}]) from None
-                if "overlap" in str(exc) or "device_position" in str(exc) or "gpu_id" in str(exc):
+                if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
                     time.sleep(0.001 * (attempt + 1))
                     continue
                 raise
@@ -448,7 +449,7 @@ class Controller:
                     break
             else:
                 return None
-            conn.rollback()  # end the read (PostgreSQL); SQLite read outside any transaction
+            end_read(conn)
             trans = conn.begin()
             try:
                 charges = self._scoped_charges(pool.name, ask.delta, ask.profiles)

@@ -7,7 +7,9 @@ with; a controller opening the store with another catalog recomputes them first.
 
 from __future__ import annotations
 
-from sqlalchemy import Table, delete, insert, select, update
+from sqlalchemy import Table, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 
 from vgpu_ctl.catalog import Catalog
@@ -41,6 +43,8 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
             if mask != r.fits:
                 conn.execute(update(GPU).where(GPU.c.id == r.id).values(fits=mask))
                 changed += 1
-        conn.execute(delete(META).where(META.c.key == CATALOG_KEY))
-        conn.execute(insert(META).values(key=CATALOG_KEY, value=catalog.fingerprint))
+        upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(META)
+        # An upsert: another controller opening the store at the same moment may write the row too.
+        conn.execute(upsert.values(key=CATALOG_KEY, value=catalog.fingerprint)
+                     .on_conflict_do_update(index_elements=[META.c.key], set_={"value": catalog.fingerprint}))
     return changed

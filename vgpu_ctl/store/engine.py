@@ -6,11 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlmodel import create_engine
 
+from vgpu_ctl.store.prepared import Prepared
+
 DATABASE_URL_ENV = "VGPU_CTL_DATABASE_URL"
+_BEGIN_IMMEDIATE = Prepared(text("BEGIN IMMEDIATE"))
 STATE_DIR_ENV = "VGPU_CTL_STATE_DIR"
 
 
@@ -60,4 +63,4 @@ def _sqlite_pragmas(engine: Engine) -> None:
     # Writers take the lock when the transaction starts, so two claims never deadlock on an upgrade.
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        _BEGIN_IMMEDIATE.run(conn)

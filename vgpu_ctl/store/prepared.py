@@ -85,6 +85,12 @@ class Prepared:
             cur.close()
 
 
+def end_read(conn: Connection) -> None:
+    """End the transaction that prepared reads outside any SQLAlchemy transaction opened at the driver
+    (PostgreSQL's drivers open one on the first statement; SQLite's reads ran in autocommit)."""
+    _driver(conn).rollback()
+
+
 def insert_all(table: Table) -> Prepared:
     """An INSERT of every column of `table` but a generated key, each bound by its column name;
     `fill_defaults` completes rows."""

@@ -41,6 +41,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     for table, column in REDUNDANT:
         op.create_index(f'ix_{table}_{column}', table, [column], unique=False)
-    with op.batch_alter_table('gpu', schema=None) as batch_op:
-        batch_op.drop_column('fits')
+    # Not a batch (copy-and-drop) on SQLite: with foreign keys on, dropping gpu fails once devices exist.
+    op.execute('ALTER TABLE gpu DROP COLUMN fits')
     op.drop_table('meta')
