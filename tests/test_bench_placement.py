@@ -47,6 +47,7 @@ def test_tiny_fleet_table(capsys: pytest.CaptureFixture[str]) -> None:
     agree, compared = (int(x) for x in row["agree"].split("/"))
     assert compared == requests and agree == compared  # store and core made the same choices
     assert any("provisioning through simulated hosts" in line for line in lines)
+    assert any("requests from 2 processes at once" in line for line in lines)
     verdicts = [line.split()[0] for line in lines if line[:4] in ("PASS", "FAIL", "n/a ")]
     assert verdicts == ["n/a", "n/a", "PASS"]
 
@@ -62,6 +63,10 @@ def test_json_and_bulk_build_match_declared(capsys: pytest.CaptureFixture[str]) 
     assert row["agree"] == row["compared"] == row["requests"] > 0
     assert row["placements_per_s"] > 0 and row["p50_ms"] <= row["p99_ms"]
     assert {"cpus", "platform", "python", "sqlite"} <= report["machine"].keys()
+    # the same requests from two processes at once, on a copy of the same pre-filled store
+    c = row["concurrent"]
+    assert c["clients"] == 2 and c["requests"] == row["requests"] and 0 < c["placed"] <= c["requests"]
+    assert c["placements_per_s"] > 0 and c["p50_ms"] <= c["p99_ms"]
 
 
 def test_prefill_is_consistent(tmp_path: Path) -> None:
