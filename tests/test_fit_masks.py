@@ -30,7 +30,7 @@ from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.allocation import GPU, occupancy_of
-from vgpu_ctl.service.fit_masks import ALL_BITS, CATALOG_KEY, META, ensure_fit_masks
+from vgpu_ctl.service.fit_masks import ALL_BITS, CATALOG_KEY, MASK_SCHEME, META, ensure_fit_masks, masks_key
 from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
@@ -269,7 +269,7 @@ def demo_store(store_url: str, state_dir: Path) -> Iterator[tuple[str, int, int]
         c.apply_inventory(DEMO)
         gid = gpu_id(c, "kvm-l40s-01", "0000:17:00.0")
         good = fits_of(c, gid)
-        assert _meta(c.engine) == c.catalog.fingerprint
+        assert _meta(c.engine) == masks_key(c.catalog)
     finally:
         c.close()
     assert good != 0
@@ -286,8 +286,25 @@ def test_masks_recomputed_when_the_catalog_fingerprint_differs(demo_store: tuple
     c = Controller(url)
     try:
         assert fits_of(c, gid) == good
-        assert _meta(c.engine) == c.catalog.fingerprint
+        assert _meta(c.engine) == masks_key(c.catalog)
         assert_masks_match(c)
+    finally:
+        c.close()
+
+
+def test_masks_recomputed_when_the_bit_scheme_changes(demo_store: tuple[str, int, int]) -> None:
+    """Same catalog, masks written by an older way of assigning bits: recomputed on open."""
+    url, gid, good = demo_store
+    engine = make_engine(url)
+    set_fits(engine, gid, 0)
+    with engine.begin() as conn:
+        conn.execute(update(META).where(META.c.key == CATALOG_KEY)
+                     .values(value=f"{MASK_SCHEME - 1}:{CATALOG.fingerprint}"))
+    engine.dispose()
+    c = Controller(url)
+    try:
+        assert fits_of(c, gid) == good
+        assert _meta(c.engine) == masks_key(c.catalog) == f"{MASK_SCHEME}:{c.catalog.fingerprint}"
     finally:
         c.close()
 
@@ -328,7 +345,7 @@ def test_catalog_without_a_model_keeps_its_gpus_candidates(demo_store: tuple[str
         assert after[gid] == ALL_BITS
         assert {k: v for k, v in after.items() if v != ALL_BITS} == {k: v for k, v in before.items()
                                                                       if after[k] != ALL_BITS}
-        assert _meta(engine) == smaller.fingerprint
+        assert _meta(engine) == masks_key(smaller)
         assert ensure_fit_masks(engine, CATALOG) == 2  # and back
         assert {r.id: r.fits for r in gpu_rows(engine)} == before
     finally:
@@ -376,7 +393,7 @@ def test_two_controllers_update_the_fingerprint_at_once(pg_url: str, state_dir: 
         for t in threads:
             t.join(30)
         assert results == {1: 0, 2: 0}
-        assert _meta(engines[0]) == catalog.fingerprint
+        assert _meta(engines[0]) == masks_key(catalog)
     finally:
         for e in engines:
             e.dispose()
@@ -496,7 +513,7 @@ def test_migration_0002_on_a_store_at_0001(store_url: str, state_dir: Path) -> N
         outside = [p for p in occ.geometry.shapes if occ.misfit(p) == Misfit.LAYOUT]
         assert "7g.80gb" in outside
         assert all(fixed.fits & profile_bit(occ.geometry, p) == 0 for p in outside)  # not in its fixed layout
-        assert _meta(c.engine) == c.catalog.fingerprint
+        assert _meta(c.engine) == masks_key(c.catalog)
         # and the old fleet takes VMs
         c.create_tenant("acme")
         assert req(c, "m", "3g.40gb").devices[0].gpu == "kvm-old/0000:01:00.0"

@@ -20,7 +20,13 @@ from vgpu_ctl.store.models import Meta
 
 META: Table = Meta.__table__  # type: ignore[attr-defined]
 CATALOG_KEY = "fit_masks_catalog"
+MASK_SCHEME = 2  # how bits are assigned (core.geometry.profile_bit); a new scheme recomputes every mask
 ALL_BITS = (1 << FIT_BITS) - 1  # a GPU the catalog can't describe stays a candidate; placement decides
+
+
+def masks_key(catalog: Catalog) -> str:
+    """What the store records beside its masks: the bit scheme and the catalog they were computed with."""
+    return f"{MASK_SCHEME}:{catalog.fingerprint}"
 
 
 def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> int:
@@ -29,7 +35,7 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
     if not force:
         with engine.connect() as conn:
             seen = conn.execute(select(META.c.value).where(META.c.key == CATALOG_KEY)).scalar()
-        if seen == catalog.fingerprint:
+        if seen == masks_key(catalog):
             return 0
     changed = 0
     with engine.begin() as conn:
@@ -45,6 +51,6 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
                 changed += 1
         upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(META)
         # An upsert: another controller opening the store at the same moment may write the row too.
-        conn.execute(upsert.values(key=CATALOG_KEY, value=catalog.fingerprint)
-                     .on_conflict_do_update(index_elements=[META.c.key], set_={"value": catalog.fingerprint}))
+        conn.execute(upsert.values(key=CATALOG_KEY, value=masks_key(catalog))
+                     .on_conflict_do_update(index_elements=[META.c.key], set_={"value": masks_key(catalog)}))
     return changed
