@@ -174,9 +174,7 @@ class Occupancy:
 
     def placed(self, profile: str, start: int) -> Occupancy:
         """A new occupancy with `profile` at `start`, for a start `fit_starts` just gave (not checked again)."""
-        shape = self.geometry.shapes[profile]
-        return Occupancy(self.geometry, tuple(sorted((*self.slots, Slot(start, shape.size, profile)))),
-                         self.pinned_type, self.fixed_layout)
+        return _placed(self, profile, start)
 
     def remove(self, start: int) -> Occupancy:
         """A new occupancy without the slot at `start`; InvalidInput if none starts there."""
@@ -190,6 +188,20 @@ class Occupancy:
         return _capacity(self, profile)
 
 
+# Occupancies are immutable values and a fleet holds few distinct ones (GPUs in the same state share one), so
+# what fits, where, and the state after a placement are memoized: placement asks them of the same states
+# over and over.
+_MEMO = 1 << 17
+
+
+@lru_cache(maxsize=_MEMO)
+def _placed(occ: Occupancy, profile: str, start: int) -> Occupancy:
+    shape = occ.geometry.shapes[profile]
+    return Occupancy(occ.geometry, tuple(sorted((*occ.slots, Slot(start, shape.size, profile)))),
+                     occ.pinned_type, occ.fixed_layout)
+
+
+@lru_cache(maxsize=_MEMO)
 def _misfit(occ: Occupancy, profile: str) -> Misfit | None:
     g = occ.geometry
     shape = g.shapes.get(profile)
@@ -212,6 +224,7 @@ def _misfit(occ: Occupancy, profile: str) -> Misfit | None:
     return None
 
 
+@lru_cache(maxsize=_MEMO)
 def _fit_starts(occ: Occupancy, profile: str) -> tuple[int, ...]:
     shape = occ.geometry.shapes.get(profile)
     if shape is None:
