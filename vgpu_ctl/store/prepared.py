@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Table, bindparam, insert
@@ -101,17 +102,22 @@ def insert_all(table: Table) -> Prepared:
 def fill_defaults(table: Table, row: Mapping[str, Any]) -> dict[str, Any]:
     """`row` with each missing column (but a generated key) set to its Python-side default, or None."""
     out = dict(row)
-    for c in table.columns:
-        if c.name in out or c is table.autoincrement_column:
-            continue
-        d = c.default
-        if d is None:
-            out[c.name] = None
-        elif d.is_callable:
-            out[c.name] = d.arg(None)  # type: ignore[attr-defined]
-        else:
-            out[c.name] = d.arg  # type: ignore[attr-defined]
+    for name, value, call in _defaults(table):
+        if name not in out:
+            out[name] = value(None) if call else value
     return out
+
+
+@lru_cache(maxsize=64)
+def _defaults(table: Table) -> tuple[tuple[str, Any, bool], ...]:
+    """Per column but a generated key: its default (a value, or a callable taking a context) and which."""
+    out = []
+    for c in table.columns:
+        if c is table.autoincrement_column:
+            continue
+        d: Any = c.default
+        out.append((c.name, None if d is None else d.arg, d is not None and d.is_callable))
+    return tuple(out)
 
 
 def _driver(conn: Connection) -> Any:
