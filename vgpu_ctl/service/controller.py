@@ -305,9 +305,10 @@ class Controller:
 
     # -- VMs --------------------------------------------------------------------------------------------------
 
-    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any]) -> list[Any]:
-        """InvalidInput for an unknown or unoffered profile; else the pools that offer every requested one
-        (all of `pools` if none does, so that the refusal explains each)."""
+    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any],
+                        offers_too: bool = True) -> list[Any]:
+        """InvalidInput for an unknown or (with `offers_too`) unoffered profile; else the pools that offer every
+        requested one (all of `pools` if none does, so that the refusal explains each)."""
         if not req.vgpus:
             raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
         names = self.catalog.profile_names()
@@ -316,6 +317,8 @@ class Controller:
             if profile not in names:
                 raise InvalidInput(f"unknown profile {profile!r} (see vgpuctl profiles list)",
                                    reasons=[{"field": "profile", "value": profile}])
+        if not offers_too:
+            return list(pools)
         offers = {(p.id, w): alloc.pool_offers(conn, self.catalog, p.id, w) for p in pools for w in wanted}
         for profile in wanted:
             if not any(offers[(p.id, profile)] for p in pools):
@@ -416,15 +419,16 @@ class Controller:
                     trans.rollback()
                 raise
 
-    def _ask(self, conn: Connection, req: VmRequest) -> _Ask | str:
-        """What the claim needs to know of the store, or the id of the VM the idempotency key already made."""
+    def _ask(self, conn: Connection, req: VmRequest, offers_too: bool = True) -> _Ask | str:
+        """What the claim needs to know of the store, or the id of the VM the idempotency key already made.
+        Without `offers_too` a named pool is not asked whether it offers the profiles (see _claim_optimistic)."""
         t = self._tenant_id(conn, req.tenant)
         if req.idempotency_key:
             row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
             if row is not None:
                 return str(row[0])
         pools = [self._pool_row(conn, req.pool)] if req.pool else _ALL_POOLS.rows(conn)
-        pools = self._check_profiles(conn, req, pools)
+        pools = self._check_profiles(conn, req, pools, offers_too or not req.pool)
         profiles = req.profiles()
         fb = sum(self._framebuffer(p) for p in profiles)
         delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": fb, "vcpus": req.vcpus,
@@ -440,7 +444,8 @@ class Controller:
         explained there), or a pool-scoped limit sends the request to another pool. Anti-affinity is a
         constraint between VMs that a read cannot hold, so such requests always take the serialized path."""
         with self.engine.connect() as conn:
-            ask = self._ask(conn, req)
+            # A plan in the named pool proves it offers the profiles; without one, the serialized path checks.
+            ask = self._ask(conn, req, offers_too=False)
             if isinstance(ask, str):
                 return ask
             for pool in ask.pools:
