@@ -7,7 +7,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
 from vgpu_ctl.store.engine import make_engine, state_dir
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.writer_queue import WriterQueue
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 MAX_RETRIES = 30
@@ -91,6 +92,7 @@ class Controller:
                  state_path: Path | None = None, init: bool = True) -> None:
         self.engine = engine or make_engine(url)
         self._checkpointer = WalCheckpointer.for_engine(self.engine)
+        self._writers = WriterQueue.for_engine(self.engine)
         self.catalog = catalog or load_catalog()
         self.state_path = state_path or state_dir()
         if init:
@@ -110,9 +112,13 @@ class Controller:
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
-        """One transaction (SQLite: taken with BEGIN IMMEDIATE)."""
-        with self.engine.begin() as conn:
+        """One transaction (SQLite: taken with BEGIN IMMEDIATE, in turn with this store's other controllers)."""
+        with self.write_turn(), self.engine.begin() as conn:
             yield conn
+
+    def write_turn(self) -> AbstractContextManager[None]:
+        """Wait for this process's turn to write (SQLite: the store's writer queue; PostgreSQL: no wait)."""
+        return self._writers.turn() if self._writers is not None else nullcontext()
 
     def close(self) -> None:
         """Release database connections and host connections."""
@@ -120,6 +126,8 @@ class Controller:
         self.engine.dispose()
         if self._checkpointer is not None:
             self._checkpointer.stop()
+        if self._writers is not None:
+            self._writers.close()
 
     def _principal(self, token: str | None, actor: str | None) -> Principal:
         if not token:
@@ -175,8 +183,7 @@ class Controller:
                           progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
         """Make the store match a parsed inventory; the changes (none made with dry_run)."""
         self._admin("inventory apply")
-        conn_cm = self.engine.connect()
-        with conn_cm as conn:
+        with self.write_turn(), self.engine.connect() as conn:
             trans = conn.begin()
             try:
                 changes = apply_inventory(conn, self.catalog, inv, progress)
@@ -380,8 +387,13 @@ class Controller:
                 time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
             except IntegrityError as exc:
                 why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
-                if req.idempotency_key and ("vm_idempotency_unique" in why or "vm.idempotency_key" in why):
-                    return self._by_idempotency(req)
+                # The same key with the same name may trip either unique constraint first: a VM made by the
+                # key is the answer whichever it was.
+                made = self._by_idempotency(req) if req.idempotency_key else None
+                if made is not None:
+                    return made
+                if "vm_idempotency_unique" in why or "vm.idempotency_key" in why:
+                    continue  # not visible yet to this connection: the next attempt finds it
                 if "vm_tenant_name_unique" in why or "vm.name" in why:
                     raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
                                    reasons=[{"field": "name", "value": req.name}]) from None
@@ -391,21 +403,20 @@ class Controller:
                 raise
         raise Conflict("too many concurrent claims on the same GPUs; try again")
 
-    def _by_idempotency(self, req: VmRequest) -> str:
+    def _by_idempotency(self, req: VmRequest) -> str | None:
+        """The id of the tenant's VM made with the request's idempotency key, if there is one."""
         with self.engine.connect() as conn:
-            t = self._tenant_row(conn, req.tenant)
-            row = conn.execute(select(VM.c.id).where(VM.c.tenant_id == t.id,
-                                                     VM.c.idempotency_key == req.idempotency_key)).first()
-        if row is None:
-            raise Conflict("idempotency key race; try again")
-        return str(row.id)
+            t = self._tenant_id(conn, req.tenant)
+            row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
+            end_read(conn)
+        return None if row is None else str(row[0])
 
     def _claim_once(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
         if not dry_run and not req.anti_affinity:
             claimed = self._claim_optimistic(req)
             if claimed is not None:
                 return claimed
-        with self.engine.connect() as conn:
+        with self.write_turn(), self.engine.connect() as conn:
             trans = conn.begin()
             try:
                 result = self._claim_in(conn, req, dry_run)
@@ -455,19 +466,20 @@ class Controller:
             else:
                 return None
             end_read(conn)
-            trans = conn.begin()
-            try:
-                charges = self._scoped_charges(pool.name, ask.delta, ask.profiles)
-                has_scoped = alloc.charge_tenant(conn, ask.tenant_id, ask.delta)
-                if has_scoped is None or (has_scoped and alloc.charge_scoped(conn, ask.tenant_id, charges)):
-                    trans.rollback()
-                    return None
-                result = self._commit_claim(conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges,
-                                            False)
-                trans.commit()
-            finally:
-                if trans.is_active:
-                    trans.rollback()
+            with self.write_turn():
+                trans = conn.begin()
+                try:
+                    charges = self._scoped_charges(pool.name, ask.delta, ask.profiles)
+                    has_scoped = alloc.charge_tenant(conn, ask.tenant_id, ask.delta)
+                    if has_scoped is None or (has_scoped and alloc.charge_scoped(conn, ask.tenant_id, charges)):
+                        trans.rollback()
+                        return None
+                    result = self._commit_claim(conn, ask.tenant_id, req, pool, chosen, page, ask.delta,
+                                                charges, False)
+                    trans.commit()
+                finally:
+                    if trans.is_active:
+                        trans.rollback()
         assert isinstance(result, VmInfo)
         return result
 

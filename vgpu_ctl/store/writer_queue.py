@@ -1,0 +1,61 @@
+"""A queue for SQLite's write lock between the controller processes on one store file.
+
+SQLite lets one writer in at a time; a writer that finds the lock taken sleeps in its busy handler for 1, 2, 5,
+10 ms and more between tries, so with several controller processes a claim could wait ten times as long as the
+claim ahead of it took. Controllers instead take an exclusive `flock` on `<store>.lock` around each write
+transaction: the kernel wakes the next waiter the moment the lock is released. This only orders writers;
+correctness still rests on SQLite's own lock (a writer that does not use the queue, like the sqlite3 shell, is
+still serialized by it, through the busy handler).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+
+
+class WriterQueue:
+    """An exclusive file lock (and, within the process, a thread lock) taken around write transactions."""
+
+    def __init__(self, store_path: str) -> None:
+        self.path = str(Path(store_path).resolve()) + ".lock"
+        self._fd: int | None = None
+        self._threads = threading.RLock()
+        self._depth = 0  # turns this thread holds (a nested turn neither waits nor releases)
+
+    @classmethod
+    def for_engine(cls, engine: Engine) -> WriterQueue | None:
+        """The queue of a SQLite file store; None for other stores (PostgreSQL queues writers itself)."""
+        db = engine.url.database
+        if engine.dialect.name != "sqlite" or not db or db == ":memory:":
+            return None
+        return cls(db)
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the queue's lock for the duration of the block."""
+        with self._threads:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Close the lock file."""
+        with self._threads:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
