@@ -12,12 +12,18 @@ model offers in the run's mode whose memory share (and, for MIG, compute share) 
 whole-GPU tasks get the full-size vGPU type or the 7g MIG profile, num_gpu of them on one host, each on its own GPU.
 Tasks that ask for no GPU are skipped (counted). vCPUs and memory are taken from the host with overcommit 1.0.
 
-Placement goes through `vgpu_ctl.core.placement.plan`, shown only the hosts and GPUs that can hold the winner: for a
-one-vGPU task, per distinct GPU state that takes the profile, the first admitted host in file order holding it (spread:
-the one with the most free vCPUs) with its first GPU in that state; for a multi-GPU task, every admitted host with
-enough GPUs that take the profile. This gives the same plan as `plan` over the whole fleet because each built-in
-policy scores a position by the GPU's state, then the host's order (spread: its free vCPUs, then its order), then
-the GPU id; `--verify` checks that on every task (slow; the tests use it). Occupancies are memoized (MemoOccupancy).
+Placement goes through `vgpu_ctl.core.placement.plan`, shown only the hosts and GPUs that can hold the winner. For a
+policy without a host cost (first-fit, best-fit, spread): for a one-vGPU task, per distinct GPU state that takes the
+profile, the first admitted host in file order holding it (spread: the one with the most free vCPUs) with its first
+GPU in that state; for a multi-GPU task, every admitted host with enough GPUs that take the profile. That gives the
+same plan as `plan` over the whole fleet because those policies score a position by the GPU's state, then the host's
+order (spread: its free vCPUs, then its order), then the GPU id. For a policy with a host cost (pack), which depends
+on the whole host: per distinct host state (its GPU states, free vCPUs and free memory) that admits the task, its
+first host in file order with all its GPUs; hosts in one state cost the same, and ties go to host order. `--verify`
+checks that on every task (slow; the tests use it). Occupancies are memoized (MemoOccupancy).
+The pack policy's demand mix is the trace's task shapes, FGD's typical tasks: per distinct (GPU share, GPU count,
+vCPUs), the profile it maps to on each model, weighted by how many tasks have it. Like FGD's (TargetPodResource in
+hkust-adsl/kubernetes-scheduler-simulator), they leave memory out.
 vCPUs are counted in milli-vCPUs (HostView.free_vcpus and PlacementRequest.vcpus), which is the same ratio.
 
 Usage: bench_packing.py TRACE_DIR [--seeds 42..44 (default: 3 seeds; the paper's 10 are 42..51)]
@@ -54,6 +60,7 @@ from vgpu_ctl.core.placement import (
     PlacementRequest,
     Policy,
     Score,
+    TaskShape,
     get_policy,
     plan,
     plan_on_host,
@@ -73,8 +80,8 @@ TRACES = ("default", "gpushare40", "multigpu30")
 MODES = ("vgpu-equal", "vgpu-mixed", "mig")
 POLICY_NAMES = ("pack", "first-fit", "best-fit", "spread")
 DEFAULT_SEEDS = "42..44"  # the paper uses 42..51: ~20 min for everything on 2 CPUs, so pass --seeds 42..51
-# Policies whose score depends on a host only through its order (spread: and its free vCPUs), so that `plan` may be
-# shown one host per GPU state; any other policy sees the whole fleet. Tests run with --verify to keep this true.
+# Policies whose plans the candidate cut (see the module's docstring) keeps; any other policy sees the whole fleet.
+# Tests run with --verify to keep this true.
 TRIMMABLE = frozenset(POLICY_NAMES)
 ARRIVED_MEASURE = 1.0  # measure when the arrived GPU request is this share of capacity
 ARRIVED_END = 1.3  # ... and stop when it reaches this share
@@ -185,7 +192,7 @@ def profile_for(catalog: Catalog, geometry: Geometry, gpu_milli: int) -> str | N
 
 _MISFIT: dict[tuple[Occupancy, str], Misfit | None] = {}
 _STARTS: dict[tuple[Occupancy, str], tuple[int, ...]] = {}
-_ADDED: dict[tuple[Occupancy, str, int], Occupancy] = {}
+_PLACED: dict[tuple[Occupancy, str, int], Occupancy] = {}
 
 
 class MemoOccupancy(Occupancy):
@@ -219,38 +226,46 @@ class MemoOccupancy(Occupancy):
             hit = _STARTS[key] = Occupancy.fit_starts(self, profile)
             return hit
 
-    def add(self, profile: str, start: int) -> Occupancy:
+    def placed(self, profile: str, start: int) -> Occupancy:
         key = (self, profile, start)
         try:
-            return _ADDED[key]
+            return _PLACED[key]
         except KeyError:
-            base = Occupancy.add(self, profile, start)
-            hit = _ADDED[key] = MemoOccupancy(base.geometry, base.slots, base.pinned_type, base.fixed_layout)
+            base = Occupancy.placed(self, profile, start)
+            hit = _PLACED[key] = MemoOccupancy(base.geometry, base.slots, base.pinned_type, base.fixed_layout)
             return hit
+
+
+HostState = tuple[frozenset[tuple[Occupancy, int]], float, float]  # GPU states with counts, free vCPUs, memory
 
 
 @dataclass
 class Fleet:
-    """Host views of one replay, kept current, with an index from GPU state to the hosts (and GPUs) holding it."""
+    """Host views of one replay, kept current, indexed by GPU state (to the hosts and GPUs holding it) and by host
+    state (its GPU states, free vCPUs and memory, to the hosts in it)."""
 
     catalog: Catalog
     run_mode: str
     nodes: Sequence[Node]
     views: list[HostView] = field(init=False)
     holders: dict[str, dict[Occupancy, dict[int, list[int]]]] = field(init=False)  # model -> state -> host -> GPUs
+    alike: dict[str, dict[HostState, list[int]]] = field(init=False)  # model -> host state -> hosts
 
     def __post_init__(self) -> None:
         self.views = []
         self.holders = {}
+        self.alike = {}
         for i, n in enumerate(self.nodes):
             empty = MemoOccupancy(geometry_for(self.catalog, n.model, mode_of(self.catalog, n.model, self.run_mode)))
             gpus = tuple(GpuView(j, f"{n.name}/gpu{j}", empty) for j in range(n.gpus))
             self.views.append(HostView(i, n.name, float(n.cpu_milli), float(n.memory_mib), gpus, order=i))
             if n.gpus:
                 self.holders.setdefault(n.model, {}).setdefault(empty, {})[i] = list(range(n.gpus))
+                self.alike.setdefault(n.model, {}).setdefault(_state(self.views[i]), []).append(i)
 
     def candidates(self, model: str, req: PlacementRequest, most_vcpus: bool) -> list[HostView]:
-        """The hosts (and GPUs) `plan` needs to see to find its best plan for `req` among hosts of `model`.
+        """The hosts (and GPUs) `plan` needs to see to find its best plan for `req` among hosts of `model`, for a
+        policy without a host cost.
 
         One vGPU: per GPU state that takes the profile, the first admitted host holding it (spread: the one with
         the most free vCPUs) with only its first GPU in that state. Several: every admitted host with enough GPUs
@@ -287,10 +302,23 @@ class Fleet:
                                 view.anti_affinity, view.order))
         return out
 
+    def host_candidates(self, model: str, req: PlacementRequest) -> list[HostView]:
+        """The hosts `plan` needs to see to find its best plan for `req` among hosts of `model`, for a policy with
+        a host cost: per host state with the vCPUs, memory and enough GPUs that take the profile, its first host."""
+        profile = req.profiles[0]
+        n = len(req.profiles)
+        picked = []
+        for (gpus, vcpus, memory), hosts in self.alike.get(model, {}).items():
+            if vcpus >= req.vcpus and memory >= req.memory_mib and \
+                    sum(k for occ, k in gpus if occ.misfit(profile) is None) >= n:
+                picked.append(hosts[0])
+        return [self.views[h] for h in sorted(picked)]
+
     def apply(self, p: PlacementPlan, req: PlacementRequest) -> None:
         """Record a placement: the host's new GPU states, vCPUs and memory."""
         old = self.views[p.host_id]
-        index = self.holders[self.nodes[p.host_id].model]
+        model = self.nodes[p.host_id].model
+        index = self.holders[model]
         gpus = list(old.gpus)
         for gid, occ in p.occupancies.items():
             before = gpus[gid].occupancy
@@ -302,9 +330,19 @@ class Fleet:
                     del index[before]
             insort(index.setdefault(occ, {}).setdefault(p.host_id, []), gid)
             gpus[gid] = GpuView(gpus[gid].gpu_id, gpus[gid].pci, occ, gpus[gid].pool)
-        self.views[p.host_id] = HostView(old.host_id, old.name, old.free_vcpus - req.vcpus,
-                                         old.free_memory_mib - req.memory_mib, tuple(gpus), old.state,
-                                         old.labels, old.anti_affinity, old.order)
+        new = HostView(old.host_id, old.name, old.free_vcpus - req.vcpus, old.free_memory_mib - req.memory_mib,
+                       tuple(gpus), old.state, old.labels, old.anti_affinity, old.order)
+        self.views[p.host_id] = new
+        alike = self.alike[model]
+        key = _state(old)
+        alike[key].remove(p.host_id)
+        if not alike[key]:
+            del alike[key]
+        insort(alike.setdefault(_state(new), []), p.host_id)
+
+
+def _state(view: HostView) -> HostState:
+    return frozenset(Counter(g.occupancy for g in view.gpus).items()), view.free_vcpus, view.free_memory_mib
 
 
 def _admits(host: HostView, req: PlacementRequest) -> bool:
@@ -321,6 +359,7 @@ class Replay:
     policy: Policy
     verify: bool = False
     trim: bool = field(init=False)  # show `plan` only the hosts/GPUs that can win (see the module's docstring)
+    by_host: bool = field(init=False)  # ... cut by host state: the policy has a host cost
     fleet: Fleet = field(init=False)
     models: tuple[str, ...] = field(init=False)
     _profiles: dict[tuple[str, int], str | None] = field(init=False, default_factory=dict)
@@ -328,6 +367,7 @@ class Replay:
     def __post_init__(self) -> None:
         self.fleet = Fleet(self.catalog, self.run_mode, self.nodes)
         self.trim = self.policy.name in TRIMMABLE
+        self.by_host = self.policy.host_cost is not None
         self.models = tuple(dict.fromkeys(n.model for n in self.nodes if n.gpus))
 
     def profile(self, model: str, gpu_milli: int) -> str | None:
@@ -355,7 +395,12 @@ class Replay:
         options = self.requests(task)
         spread = self.policy.name == "spread"
         for model, req in options:
-            hosts = self.fleet.candidates(model, req, spread) if self.trim else self.fleet.views
+            if not self.trim:
+                hosts = self.fleet.views
+            elif self.by_host:
+                hosts = self.fleet.host_candidates(model, req)
+            else:
+                hosts = self.fleet.candidates(model, req, spread)
             found = plan(req, hosts, self.policy)
             if found is None:
                 continue
@@ -389,18 +434,19 @@ class Replay:
             raise AssertionError(f"candidate filter changed the plan: {got} != {want}")
 
 
-def demand_mix(catalog: Catalog, run_mode: str, nodes: Sequence[Node], tasks: Iterable[Task]) -> dict[str, float]:
-    """How often each profile is asked for in the trace (per model the task may use), for the pack policy."""
+def demand_mix(catalog: Catalog, run_mode: str, nodes: Sequence[Node], tasks: Iterable[Task]) -> dict[TaskShape, float]:
+    """How often each task shape (its profile on each model it may use, GPU count, vCPUs) is asked for in the trace,
+    for the pack policy; memory is left out, as in FGD's typical tasks."""
     models = tuple(dict.fromkeys(n.model for n in nodes if n.gpus))
     geometries = {m: geometry_for(catalog, m, mode_of(catalog, m, run_mode)) for m in models}
-    shares = Counter(t.gpu_milli for t in tasks if t.num_gpu > 0)
-    mix: Counter[str] = Counter()
-    for milli, count in shares.items():
-        for g in geometries.values():
-            profile = profile_for(catalog, g, milli)
-            if profile is not None:
-                mix[profile] += count
-    return {p: float(w) for p, w in sorted(mix.items())}
+    mix: Counter[TaskShape] = Counter()
+    for t in tasks:
+        if t.num_gpu == 0:
+            continue
+        profiles = (profile_for(catalog, g, t.gpu_milli) for m, g in geometries.items()
+                    if t.models is None or m in t.models)
+        mix[TaskShape(tuple(dict.fromkeys(p for p in profiles if p is not None)), t.num_gpu, t.cpu_milli)] += 1
+    return {shape: float(w) for shape, w in mix.items()}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ if str(_ROOT) not in sys.path:
 
 from vgpu_ctl.catalog import load_catalog  # noqa: E402
 from vgpu_ctl.core.geometry import Mode, geometry_for  # noqa: E402
-from vgpu_ctl.core.placement import get_policy  # noqa: E402
+from vgpu_ctl.core.placement import TaskShape, get_policy  # noqa: E402
 
 
 def _load_script() -> ModuleType:
@@ -104,7 +104,8 @@ def test_two_gpu_task_lands_on_one_host_on_two_gpus(trace_dir: Path) -> None:
     catalog = load_catalog()
     nodes = bench.load_nodes(trace_dir)
     for mode, policy, profile in (("vgpu-equal", "first-fit", "A100D-80C"), ("mig", "pack", "7g.80gb")):
-        replay = bench.Replay(catalog, mode, nodes, get_policy(policy, {profile: 1.0}), verify=True)
+        demand = {TaskShape((profile, "T4-16C"), gpus=2): 1.0}
+        replay = bench.Replay(catalog, mode, nodes, get_policy(policy, demand), verify=True)
         p = replay.place(_task(2, 1000, cpu=3000, mem=2048))
         assert p is not None
         assert p.host_id == 0 and len({d.gpu_id for d in p.devices}) == 2
@@ -152,3 +153,27 @@ def test_arrival_sequence_reaches_130_percent(trace_dir: Path) -> None:
     assert total >= 1.3 * 15 and total - seq[-1].gpu_request < 1.3 * 15
     assert seq == bench.arrival_sequence(tasks, 15, 42) != bench.arrival_sequence(tasks, 15, 43)
     assert bench.parse_seeds("42..44,50") == [42, 43, 44, 50]
+
+
+def test_demand_mix_describes_task_shapes(trace_dir: Path) -> None:
+    catalog = load_catalog()
+    nodes = bench.load_nodes(trace_dir)
+    mix = bench.demand_mix(catalog, "mig", nodes, bench.load_tasks(trace_dir, "default"))
+    assert sum(mix.values()) == 10  # the tasks asking for GPUs, t-cpu-only left out
+    two = next(s for s in mix if s.gpus == 2)
+    assert (two.vcpus, two.memory_mib) == (4000, 0)  # memory left out, as in FGD
+    assert two.profiles[0] == "7g.80gb" and "T4-16C" in two.profiles  # one per model, A100 and H100 share it
+    t4_only = next(s for s in mix if s.vcpus == 1000 and "T4-8C" in s.profiles)
+    assert t4_only.profiles == ("T4-8C",)
+
+
+def test_host_state_cut_gives_the_plans_of_the_whole_fleet(tmp_path: Path) -> None:
+    # many hosts alike, so the cut to one host per host state matters; --verify checks every plan
+    rows = [f"node-{i},{6000 * (1 + i % 2)},{16384 * (1 + i % 4)},{(2, 4, 8)[i % 3]},{('G2', 'T4', 'G3')[i % 3]}"
+            for i in range(24)]
+    (tmp_path / "openb_node_list_gpu_node.csv").write_text("\n".join(["sn,cpu_milli,memory_mib,gpu,model", *rows]))
+    short = ["name,cpu_milli,memory_mib,num_gpu,gpu_milli", *(",".join(str(v) for v in t[:5]) for t in TASKS)]
+    (tmp_path / "openb_pod_list_default.csv").write_text("\n".join(short) + "\n")
+    for mode in bench.MODES:
+        result = bench.run_job(bench.Job(str(tmp_path), "default", mode, "pack", 3, verify=True))
+        assert result["placed_pct"] > 30

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from vgpu_ctl.core.geometry import Misfit, Occupancy
+from vgpu_ctl.core.geometry import Geometry, Misfit, Occupancy
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,18 +66,37 @@ class PlacementPlan:
     occupancies: Mapping[int, Occupancy]  # each touched GPU's occupancy after the plan
 
 
+@dataclass(frozen=True, slots=True)
+class TaskShape:
+    """A typical request of a demand mix: its profile (one per GPU model it may use), GPU count, vCPUs, memory."""
+
+    profiles: tuple[str, ...]  # on a GPU, the first of them its geometry offers
+    gpus: int = 1
+    vcpus: float = 0.0
+    memory_mib: float = 0.0
+
+
+# What a pool's requests look like: profile (a one-GPU request needing no vCPUs or memory) or task shape -> weight.
+Demand = Mapping[str, float] | Mapping[TaskShape, float]
+
 Score = tuple[float, ...]
 # A policy scores placing `profile` at `start` on a GPU: smaller is better. It sees the GPU before and after.
 ScoreFn = Callable[[HostView, GpuView, Occupancy, str, int], Score]
+# The cost of a draft plan on one host: given the GPUs the draft changed so far (GPU id -> occupancy after), one more
+# GPU `gid` and its occupancy after, a number (smaller is better).
+PlanCost = Callable[[Mapping[int, Occupancy], int, Occupancy], float]
+# A host-aware policy prices the drafts of a request on a host; positions are ranked by that cost, then by the score.
+HostCostFn = Callable[[HostView, PlacementRequest], PlanCost]
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A placement policy: a score for each feasible position; the smallest wins."""
+    """A placement policy: a score for each feasible position (after a host cost, if it has one); the smallest wins."""
 
     name: str
     score: ScoreFn
     description: str = ""
+    host_cost: HostCostFn | None = None
 
 
 def _first_fit(host: HostView, gpu: GpuView, after: Occupancy, profile: str, start: int) -> Score:
@@ -93,54 +112,154 @@ def _spread(host: HostView, gpu: GpuView, after: Occupancy, profile: str, start:
     return (used, -host.free_vcpus, host.order, gpu.gpu_id, start)
 
 
-@lru_cache(maxsize=200_000)
-def fragmentation(occ: Occupancy, demand: tuple[tuple[str, float], ...]) -> float:
-    """Share of the GPU's axis that typical requests (weighted profiles) could not use: free but stranded."""
-    free = occ.free_units
-    if free == 0:
-        return 0.0
-    axis = occ.geometry.axis
-    total = 0.0
-    weight = 0.0
-    for profile, w in demand:
-        shape = occ.geometry.shapes.get(profile)
-        if shape is None:
-            continue
-        usable = occ.capacity(profile) * shape.size
-        total += w * (free - min(usable, free)) / axis
-        weight += w
-    return total / weight if weight else 0.0
+Mix = tuple[tuple[TaskShape, float], ...]  # weights sum to 1
 
 
-def pack_policy(demand: Mapping[str, float] | None = None) -> Policy:
-    """Fragmentation-aware packing: the position that strands the least capacity for the demand mix."""
-    fixed = tuple(sorted(demand.items())) if demand else None
+@dataclass(frozen=True, slots=True, eq=False)
+class _Kind:
+    """The task shapes of a mix that ask for the same profiles and GPU count: what each needs besides GPUs
+    (compared by identity: kinds are cached)."""
 
-    def score(host: HostView, gpu: GpuView, after: Occupancy, profile: str, start: int) -> Score:
-        mix = fixed or _uniform_demand(after)
-        delta = fragmentation(after, mix) - fragmentation(gpu.occupancy, mix)
-        return (round(delta, 9), host.order, gpu.gpu_id, start)
-
-    return Policy("pack", score, "fragmentation-aware packing (default)")
-
-
-def _uniform_demand(occ: Occupancy) -> tuple[tuple[str, float], ...]:
-    return _uniform_for(tuple(occ.geometry.shapes))
+    profiles: tuple[str, ...]
+    gpus: int
+    needs: tuple[tuple[float, float, float], ...]  # (vcpus, memory_mib, weight) per shape
 
 
 @lru_cache(maxsize=1024)
-def _uniform_for(profiles: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
-    return tuple((p, 1.0) for p in profiles)
+def _kinds(mix: Mix) -> tuple[_Kind, ...]:
+    grouped: dict[tuple[tuple[str, ...], int], list[tuple[float, float, float]]] = {}
+    for shape, w in mix:
+        grouped.setdefault((shape.profiles, shape.gpus), []).append((shape.vcpus, shape.memory_mib, w))
+    return tuple(_Kind(p, n, tuple(needs)) for (p, n), needs in grouped.items())
 
 
-def _fixed(name: str, score: ScoreFn, description: str) -> Callable[[Mapping[str, float] | None], Policy]:
+@lru_cache(maxsize=1024)
+def _profiles_on(kinds: tuple[_Kind, ...], geometry: Geometry) -> tuple[str | None, ...]:
+    return tuple(next((p for p in k.profiles if p in geometry.shapes), None) for k in kinds)
+
+
+@lru_cache(maxsize=1024)
+def _gang(kinds: tuple[_Kind, ...]) -> tuple[int, ...]:
+    return tuple(k for k, kind in enumerate(kinds) if kind.gpus > 1)
+
+
+GpuStats = tuple[float, tuple[float, ...], tuple[int, ...]]
+
+
+@lru_cache(maxsize=200_000)
+def _gpu_stats(occ: Occupancy, kinds: tuple[_Kind, ...]) -> GpuStats:
+    """The GPU's free share, and per kind of task its stranded free share and whether one more fits (1 or 0)."""
+    axis = occ.geometry.axis
+    free = occ.free_units
+    stranded: list[float] = []
+    usable: list[int] = []
+    for profile in _profiles_on(kinds, occ.geometry):
+        n = size = 0
+        if profile is not None and free:
+            n, size = occ.capacity(profile), occ.geometry.shapes[profile].size
+        stranded.append((free - min(n * size, free)) / axis)
+        usable.append(1 if n else 0)
+    return free / axis, tuple(stranded), tuple(usable)
+
+
+@lru_cache(maxsize=200_000)
+def _admitted_weights(kinds: tuple[_Kind, ...], vcpus: float, memory_mib: float) -> tuple[float, ...]:
+    """Per kind, the weight of its shapes whose vCPUs and memory a host with this much free could give."""
+    return tuple(sum(w for c, m, w in k.needs if c <= vcpus and m <= memory_mib) for k in kinds)
+
+
+@lru_cache(maxsize=200_000)
+def _gpu_fragmentation(occ: Occupancy, kinds: tuple[_Kind, ...], admitted: tuple[float, ...]) -> float:
+    """The GPU's share of its host's fragmentation, except for multi-GPU kinds (see `_host_cost`)."""
+    free, stranded, _ = _gpu_stats(occ, kinds)
+    return free + sum(w * (st - free) for kind, w, st in zip(kinds, admitted, stranded, strict=True)
+                      if w and kind.gpus == 1)
+
+
+def _gang_fragmentation(kinds: tuple[_Kind, ...], totals: GpuStats, moves: Sequence[tuple[GpuStats, GpuStats]],
+                        admitted: tuple[float, ...]) -> float:
+    """The multi-GPU kinds' part of a host's fragmentation, from the host's totals and its GPUs' moves (before,
+    after)."""
+    free, stranded, usable = totals
+    free += sum(s1[0] - s0[0] for s0, s1 in moves)
+    total = 0.0
+    for k in _gang(kinds):
+        if admitted[k] and usable[k] + sum(s1[2][k] - s0[2][k] for s0, s1 in moves) >= kinds[k].gpus:
+            total += admitted[k] * (stranded[k] + sum(s1[1][k] - s0[1][k] for s0, s1 in moves) - free)
+    return total
+
+
+def _host_cost(mix: Mix | None) -> HostCostFn:
+    """The change in a host's expected fragmentation (FGD) against the mix: for each typical task, weighted, the
+    host's free GPU share it could not use: all of it if the host cannot take the task (vCPUs, memory, fewer GPUs
+    with room than it asks for), else the share stranded on GPUs with no room for it. One-GPU tasks add up per GPU;
+    multi-GPU tasks are counted over the host's totals."""
+
+    fixed = _kinds(mix) if mix else None
+
+    def price(host: HostView, req: PlacementRequest) -> PlanCost:
+        kinds = fixed or _kinds(_uniform_mix(tuple(dict.fromkeys(g.occupancy.geometry for g in host.gpus))))
+        gang = _gang(kinds)
+        now = _admitted_weights(kinds, host.free_vcpus, host.free_memory_mib)
+        then = _admitted_weights(kinds, host.free_vcpus - req.vcpus, host.free_memory_mib - req.memory_mib)
+        before = {g.gpu_id: g.occupancy for g in host.gpus}
+        # The request's vCPUs and memory may shut tasks out of the whole host, the GPUs it leaves alone included.
+        shift = 0.0 if then == now else \
+            sum(_gpu_fragmentation(o, kinds, then) - _gpu_fragmentation(o, kinds, now) for o in before.values())
+        totals: GpuStats | None = None
+        gang_now = 0.0
+        if any(now[k] or then[k] for k in gang):
+            stats = [_gpu_stats(o, kinds) for o in before.values()]
+            totals = (sum(s[0] for s in stats), tuple(map(sum, zip(*(s[1] for s in stats), strict=True))),
+                      tuple(map(sum, zip(*(s[2] for s in stats), strict=True))))
+            gang_now = _gang_fragmentation(kinds, totals, (), now)
+
+        def cost(draft: Mapping[int, Occupancy], gid: int, after: Occupancy) -> float:
+            changes = (*draft.items(), (gid, after)) if draft else ((gid, after),)
+            delta = shift
+            for g, occ in changes:
+                delta += _gpu_fragmentation(occ, kinds, then) - _gpu_fragmentation(before[g], kinds, then)
+            if totals is not None:
+                moves = [(_gpu_stats(before[g], kinds), _gpu_stats(occ, kinds)) for g, occ in changes]
+                delta += _gang_fragmentation(kinds, totals, moves, then) - gang_now
+            return round(delta, 9)
+
+        return cost
+
+    return price
+
+
+def pack_policy(demand: Demand | None = None) -> Policy:
+    """Fragmentation-aware packing (FGD): the host and position where the host's expected fragmentation against the
+    demand mix grows least, first in host order among equals; no demand: every profile of the host's GPUs alike."""
+    return Policy("pack", _first_fit, "fragmentation-aware packing (default)", _host_cost(_mix(demand)))
+
+
+def _mix(demand: Demand | None) -> Mix | None:
+    """The demand as task shapes with weights summing to 1 (None when empty)."""
+    if not demand:
+        return None
+    items = [(k if isinstance(k, TaskShape) else TaskShape((k,)), float(w)) for k, w in demand.items()]
+    total = sum(w for _, w in items)
+    if total <= 0:
+        return None
+    return tuple((shape, w / total) for shape, w in items)
+
+
+@lru_cache(maxsize=1024)
+def _uniform_mix(geometries: tuple[Geometry, ...]) -> Mix:
+    profiles = tuple(dict.fromkeys(p for g in geometries for p in g.shapes))
+    return tuple((TaskShape((p,)), 1 / len(profiles)) for p in profiles) if profiles else ()
+
+
+def _fixed(name: str, score: ScoreFn, description: str) -> Callable[[Demand | None], Policy]:
     """A policy factory for a policy that ignores the demand mix."""
-    def make(_demand: Mapping[str, float] | None = None) -> Policy:
+    def make(_demand: Demand | None = None) -> Policy:
         return Policy(name, score, description)
     return make
 
 
-POLICIES: dict[str, Callable[[Mapping[str, float] | None], Policy]] = {
+POLICIES: dict[str, Callable[[Demand | None], Policy]] = {
     "pack": pack_policy,
     "spread": _fixed("spread", _spread, "least-loaded GPU and host first"),
     "first-fit": _fixed("first-fit", _first_fit, "first GPU in host order that fits"),
@@ -148,7 +267,7 @@ POLICIES: dict[str, Callable[[Mapping[str, float] | None], Policy]] = {
 }
 
 
-def get_policy(name: str, demand: Mapping[str, float] | None = None) -> Policy:
+def get_policy(name: str, demand: Demand | None = None) -> Policy:
     """The policy called `name`, configured with a demand mix where it uses one."""
     from vgpu_ctl.errors import InvalidInput
 
@@ -179,28 +298,33 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
     """The best placement of every vGPU of the request on this host (each on its own GPU), or None."""
     occs = {g.gpu_id: g.occupancy for g in host.gpus}
     views = {g.gpu_id: g for g in host.gpus}
-    used: set[int] = set()
+    price: PlanCost | None = None  # the host cost, set up at the first feasible position
+    draft: dict[int, Occupancy] = {}  # the GPUs the plan takes so far, with their occupancy after
     chosen: list[DevicePlacement] = []
     worst: Score = ()
+    cost: Score = ()
     # Largest devices first: they have the fewest places to go.
     for profile in sorted(req.profiles, key=lambda p: -_size_of(host, p)):
-        best: tuple[Score, int, int, Occupancy] | None = None
+        best: tuple[Score, Score, int, int, Occupancy] | None = None
         for gid, occ in occs.items():
-            if gid in used or occ.misfit(profile) is not None:
+            if gid in draft or occ.misfit(profile) is not None:
                 continue
             for start in occ.fit_starts(profile):
                 after = occ.placed(profile, start)  # misfit and fit_starts were just checked
+                c: Score = ()
+                if policy.host_cost is not None:
+                    price = price or policy.host_cost(host, req)
+                    c = (price(draft, gid, after),)
                 s = policy.score(host, views[gid], after, profile, start)
-                if best is None or s < best[0]:
-                    best = (s, gid, start, after)
+                if best is None or (c, s) < best[:2]:
+                    best = (c, s, gid, start, after)
         if best is None:
             return None
-        s, gid, start, after = best
-        used.add(gid)
-        occs[gid] = after
+        cost, s, gid, start, after = best
+        draft[gid] = after
         worst = max(worst, s)
         chosen.append(DevicePlacement(gid, profile, start, after.geometry.shapes[profile].size))
-    return worst, PlacementPlan(host.host_id, host.name, tuple(chosen), {d.gpu_id: occs[d.gpu_id] for d in chosen})
+    return (*cost, *worst), PlacementPlan(host.host_id, host.name, tuple(chosen), dict(draft))
 
 
 def _size_of(host: HostView, profile: str) -> int:
