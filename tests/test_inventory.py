@@ -60,6 +60,21 @@ REFUSALS: list[tuple[str, str, int, str, str]] = [
     ("bad-pci", SMALL.replace("0000:41:00.0", "41:00"), 10, "hosts[0].gpus[0].pci", "41:00"),
     ("unknown-state", SMALL.replace("vcpus: 8", "vcpus: 8\n    state: sleeping"), 8, "hosts[0].state",
      "sleeping"),
+    ("demand-unknown-profile", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand:\n"
+                                             "      - {profile: 3g.40gb, weight: 2}\n"
+                                             "      - {profile: 9g.90gb, weight: 1}\n"),
+     5, "pools[0].demand[1].profile", "9g.90gb"),
+    ("demand-zero-weight", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand:\n"
+                                         "      - {profile: 3g.40gb, weight: 0}\n"),
+     4, "pools[0].demand[0].weight", "0"),
+    ("demand-zero-gpus", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand:\n"
+                                       "      - {profile: 3g.40gb, gpus: 0, weight: 1}\n"),
+     4, "pools[0].demand[0].gpus", "0"),
+    ("demand-unknown-key", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand:\n"
+                                         "      - {profile: 3g.40gb, cpus: 4, weight: 1}\n"),
+     4, "pools[0].demand[0].cpus", "cpus"),
+    ("demand-short-form-bad-weight", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand: {3g.40gb: -1}\n"),
+     3, "pools[0].demand[0].weight", "-1"),
 ]
 
 
@@ -273,3 +288,61 @@ def test_draining_state_applies(ctl: Controller, tmp_path: Path) -> None:
     assert changes == [{"action": "update", "kind": "host", "name": "kvm-l40s-01",
                         "fields": {"state": {"from": "active", "to": "draining"}}}]
     assert ctl.apply_inventory(path) == []
+
+
+# -- a pool's demand: typical requests for host-aware packing --------------------------------------------------
+
+DEMAND = """
+pools:
+  - name: p1
+    demand:{demand}
+hosts:
+  - name: h1
+    uri: "simulated:///h1"
+    driver: simulated
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {{pci: "0000:41:00.0", model: A100-80GB, mode: passthrough, pool: p1}}
+      - {{pci: "0000:61:00.0", model: A100-80GB, mode: passthrough, pool: p1}}
+  - name: h2
+    uri: "simulated:///h2"
+    driver: simulated
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {{pci: "0000:41:00.0", model: A100-80GB, mode: passthrough, pool: p1}}
+"""
+PAIRS = "\n      - {profile: A100-80GB, gpus: 2, vcpus: 16, memory_mib: 65536, weight: 1}"
+SINGLES = " {A100-80GB: 1}"
+
+
+def test_demand_of_typical_requests_is_stored(ctl: Controller, tmp_path: Path) -> None:
+    path = write_inventory(tmp_path, DEMAND.format(demand=PAIRS))
+    ctl.apply_inventory(path)
+    (pool,) = [p for p in ctl.pools() if p["name"] == "p1"]
+    assert pool["demand"] == [{"profile": "A100-80GB", "gpus": 2, "vcpus": 16, "memory_mib": 65536, "weight": 1.0}]
+    assert ctl.apply_inventory(path) == []  # the same file again: nothing to change
+    short = write_inventory(tmp_path, DEMAND.format(demand=SINGLES), "short.yaml")
+    changes = ctl.apply_inventory(short)
+    assert [c["name"] for c in changes] == ["p1"]
+    (pool,) = [p for p in ctl.pools() if p["name"] == "p1"]
+    assert pool["demand"] == [{"profile": "A100-80GB", "gpus": 1, "vcpus": 0, "memory_mib": 0, "weight": 1.0}]
+
+
+@pytest.mark.parametrize("demand,host", [(SINGLES, "h1"), (PAIRS, "h2")], ids=["single-gpu-demand", "pairs"])
+def test_pack_keeps_a_pair_of_gpus_for_a_demand_of_pairs(store_url: str, state_dir: Path, tmp_path: Path,
+                                                        demand: str, host: str) -> None:
+    """One whole GPU: with single-GPU requests expected, the first host in order; with pairs expected, the host
+    whose lone GPU no pair could use, so that h1 keeps both of its GPUs for the next pair."""
+    c = Controller(store_url)
+    try:
+        c.apply_inventory(write_inventory(tmp_path, DEMAND.format(demand=demand)))
+        c.create_tenant("acme")
+        vm = c.request_vm("acme", "one", [("A100-80GB", 1)], vcpus=8, memory_mib=16384, provision=False)
+        assert vm.host == host
+        if host == "h2":  # and the pair then fits on h1
+            pair = c.request_vm("acme", "pair", [("A100-80GB", 2)], vcpus=16, memory_mib=65536, provision=False)
+            assert pair.host == "h1"
+    finally:
+        c.close()

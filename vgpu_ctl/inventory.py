@@ -46,13 +46,39 @@ class _Named(_Strict):
         return v
 
 
+class TaskDecl(_Strict):
+    """A typical request of a pool's demand: `gpus` vGPUs of `profile` (each on its own GPU), vCPUs, memory."""
+
+    profile: str
+    gpus: int = Field(default=1, ge=1, le=16)
+    vcpus: int = Field(default=0, ge=0)
+    memory_mib: int = Field(default=0, ge=0)
+    weight: float = Field(gt=0)
+
+
 class PoolDecl(_Named):
-    """A pool in an inventory file."""
+    """A pool in an inventory file. `demand` says what its requests typically look like, for `pack`: a list of
+    typical requests (profile, GPU count, vCPUs, memory, weight), or the short form profile -> weight (one vGPU,
+    no vCPUs or memory)."""
 
     policy: Literal["pack", "spread", "first-fit", "best-fit"] = "pack"
     template: str | None = None
     description: str = ""
-    demand: dict[str, float] | None = None
+    demand: list[TaskDecl] | None = None
+
+    @field_validator("demand", mode="before")
+    @classmethod
+    def _short_form(cls, v: object) -> object:
+        if isinstance(v, dict):
+            return [{"profile": k, "weight": w} for k, w in v.items()]
+        return v
+
+    @field_validator("demand")
+    @classmethod
+    def _not_empty(cls, v: list[TaskDecl] | None) -> list[TaskDecl] | None:
+        if v is not None and not v:
+            raise ValueError("an empty demand: leave it out instead")
+        return v
 
     @field_validator("template")
     @classmethod
@@ -199,10 +225,14 @@ def _check_semantics(path: Path, root: yaml.Node | None, inv: InventoryDecl, cat
                              reasons=[{"file": str(path), "line": line, "field": _field_name(loc), "error": msg}])
 
     pools = set()
+    known = catalog.profile_names()
     for i, p in enumerate(inv.pools):
         if p.name in pools:
             fail(["pools", i, "name"], f"duplicate pool {p.name!r}")
         pools.add(p.name)
+        for k, t in enumerate(p.demand or []):
+            if t.profile not in known:
+                fail(["pools", i, "demand", k, "profile"], f"unknown profile {t.profile!r} (see vgpuctl profiles list)")
     hosts: set[str] = set()
     for hi, h in enumerate(inv.hosts):
         if h.name in hosts:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,15 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.catalog import Catalog, ProfileInfo, load_catalog
-from vgpu_ctl.core.placement import PlacementPlan, PlacementRequest, explain, get_policy, plan
+from vgpu_ctl.core.placement import (
+    PlacementPlan,
+    PlacementRequest,
+    Policy,
+    TaskShape,
+    explain,
+    get_policy,
+    plan,
+)
 from vgpu_ctl.errors import (
     Conflict,
     InvalidInput,
@@ -51,6 +61,23 @@ _INSERT_VM = insert_all(VM)
 _TENANT_ID = Prepared(select(alloc.TENANT.c.id).where(alloc.TENANT.c.name == bindparam("name")))
 _VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
                                             VM.c.idempotency_key == bindparam("key")))
+
+
+def pool_policy(name: str, demand: Mapping[str, float] | Sequence[Mapping[str, Any]] | None) -> Policy:
+    """The policy of a pool, with its demand as stored (profile -> weight, or a list of typical requests)."""
+    return _pool_policy(name, json.dumps(demand, sort_keys=True))
+
+
+@lru_cache(maxsize=256)
+def _pool_policy(name: str, demand_json: str) -> Policy:
+    stored = json.loads(demand_json)
+    if not isinstance(stored, list):
+        return get_policy(name, stored)
+    shapes: dict[TaskShape, float] = {}
+    for t in stored:
+        shape = TaskShape((t["profile"],), t.get("gpus", 1), t.get("vcpus", 0), t.get("memory_mib", 0))
+        shapes[shape] = shapes.get(shape, 0.0) + float(t["weight"])
+    return get_policy(name, shapes)
 
 
 @dataclass(frozen=True)
@@ -220,7 +247,7 @@ class Controller:
         return {"pools": pool_list, "hosts": hosts}
 
     def pools(self) -> list[dict[str, Any]]:
-        """Each pool with its policy, GPU count and the profiles it offers."""
+        """Each pool with its policy, GPU count, the profiles it offers and its demand (typical requests)."""
         from vgpu_ctl.core.geometry import geometry_for
         with self.engine.connect() as conn:
             out = []
@@ -229,7 +256,7 @@ class Controller:
                                     .where(alloc.GPU.c.pool_id == p.id)).all()
                 offered = sorted({s for m, mode in set(gpus) for s in geometry_for(self.catalog, m, mode).shapes})
                 out.append({"name": p.name, "policy": p.policy, "gpus": len(gpus), "profiles": offered,
-                            "template": p.template, "description": p.description})
+                            "template": p.template, "description": p.description, "demand": p.demand})
         return out
 
     # -- tenants and quotas -----------------------------------------------------------------------------------
@@ -516,7 +543,7 @@ class Controller:
 
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
-        policy = get_policy(pool.policy, pool.demand)
+        policy = pool_policy(pool.policy, pool.demand)
         for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, pool.policy, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:

@@ -22,7 +22,8 @@ Change = dict[str, Any]
 
 
 def _pool_fields(p: PoolDecl) -> dict[str, Any]:
-    return {"policy": p.policy, "template": p.template, "description": p.description, "demand": p.demand}
+    demand = [t.model_dump() for t in p.demand] if p.demand is not None else None
+    return {"policy": p.policy, "template": p.template, "description": p.description, "demand": demand}
 
 
 def _host_fields(h: HostDecl) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class Pool(SQLModel, table=True):
     policy: str = "pack"
     template: str | None = None
     description: str = ""
-    demand: dict[str, float] | None = Field(default=None, sa_column=Column(JSON))
+    demand: dict[str, float] | list[dict[str, Any]] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Host(SQLModel, table=True):
