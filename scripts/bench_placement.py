@@ -62,13 +62,12 @@ from vgpu_ctl.core.placement import (
     HostView,
     PlacementPlan,
     PlacementRequest,
-    get_policy,
     plan,
 )
 from vgpu_ctl.errors import NoCapacity
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
 from vgpu_ctl.service import allocation as alloc
-from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.service.controller import Controller, pool_policy
 from vgpu_ctl.service.inventory_apply import POOL, VM
 from vgpu_ctl.store.models import utcnow
 
@@ -192,6 +191,26 @@ def vm_size(frac: float) -> tuple[int, int]:
     return vcpus, vcpus * 4096
 
 
+def pool_demand(catalog: Catalog, spec: PoolSpec) -> list[dict[str, Any]]:
+    """The pool's typical requests as its inventory declares them: each profile of the mix with the vCPUs and
+    memory its VMs get, and the 2-GPU VM (what pack keeps room for)."""
+    tasks = []
+    for name, w in spec.mix:
+        vcpus, mem = vm_size(_frac(catalog, spec, name))
+        tasks.append({"profile": name, "gpus": 1, "vcpus": vcpus, "memory_mib": mem, "weight": float(w)})
+    vcpus, mem = vm_size(_frac(catalog, spec, spec.whole))
+    tasks.append(
+        {
+            "profile": spec.whole,
+            "gpus": 2,
+            "vcpus": 2 * vcpus,
+            "memory_mib": 2 * mem,
+            "weight": float(spec.multi_weight),
+        }
+    )
+    return tasks
+
+
 def request_sequence(catalog: Catalog, seed: int, n: int) -> list[Req]:
     """The window's requests: a pool by GPU share, then a profile from the pool's mix, or a 2-GPU VM."""
     rng = random.Random(seed)
@@ -253,7 +272,7 @@ def build_store(url: str, state: Path, catalog: Catalog, n_gpus: int, build: str
                 name=p.name,
                 policy="pack",
                 description=f"{p.model} {p.mode.value}",
-                demand={name: float(w) for name, w in p.mix},
+                demand=pool_demand(catalog, p),  # type: ignore[arg-type]  # validated into TaskDecls
             )
             for p in POOLS
         ]
@@ -704,7 +723,7 @@ def phase_core(url: str, n_requests: int, seed: int, start_fill: float, n_gpus: 
     """The request sequence through the pure core over the in-memory fleet."""
     catalog = load_catalog()
     fleet = CoreFleet.load(url, catalog)
-    policies = {p.name: get_policy("pack", {n: float(w) for n, w in p.mix}) for p in POOLS}
+    policies = {p.name: pool_policy("pack", pool_demand(catalog, p)) for p in POOLS}
     fill = start_fill * n_gpus
     lat: list[float] = []
     results: list[Any] = []

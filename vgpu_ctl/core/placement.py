@@ -296,17 +296,17 @@ def host_admits(host: HostView, req: PlacementRequest) -> str | None:
 
 def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple[Score, PlacementPlan] | None:
     """The best placement of every vGPU of the request on this host (each on its own GPU), or None."""
-    occs = {g.gpu_id: g.occupancy for g in host.gpus}
-    views = {g.gpu_id: g for g in host.gpus}
     price: PlanCost | None = None  # the host cost, set up at the first feasible position
     draft: dict[int, Occupancy] = {}  # the GPUs the plan takes so far, with their occupancy after
     chosen: list[DevicePlacement] = []
     worst: Score = ()
     cost: Score = ()
     # Largest devices first: they have the fewest places to go.
-    for profile in sorted(req.profiles, key=lambda p: -_size_of(host, p)):
+    profiles = req.profiles if len(req.profiles) == 1 else sorted(req.profiles, key=lambda p: -_size_of(host, p))
+    for profile in profiles:
         best: tuple[Score, Score, int, int, Occupancy] | None = None
-        for gid, occ in occs.items():
+        for view in host.gpus:
+            gid, occ = view.gpu_id, view.occupancy
             if gid in draft or occ.misfit(profile) is not None:
                 continue
             for start in occ.fit_starts(profile):
@@ -315,7 +315,7 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
                 if policy.host_cost is not None:
                     price = price or policy.host_cost(host, req)
                     c = (price(draft, gid, after),)
-                s = policy.score(host, views[gid], after, profile, start)
+                s = policy.score(host, view, after, profile, start)
                 if best is None or (c, s) < best[:2]:
                     best = (c, s, gid, start, after)
         if best is None:
