@@ -154,6 +154,12 @@ class Occupancy:
         """The starts at which one more `profile` can be placed now (empty if none)."""
         return _fit_starts(self, profile)
 
+    def placements(self, profile: str) -> tuple[int, ...]:
+        """The starts worth comparing for one more `profile`: on an equal-size GPU every free slot is alike (one
+        type, one size, the driver does not care which), so only the first; otherwise every start that fits."""
+        starts = _fit_starts(self, profile)
+        return starts[:1] if self.geometry.homogeneous else starts
+
     def check(self, profile: str, start: int) -> Misfit | None:
         """Why `profile` can't be placed at `start`, or None if it can."""
         why = self.misfit(profile)

@@ -309,7 +309,7 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
             gid, occ = view.gpu_id, view.occupancy
             if gid in draft or occ.misfit(profile) is not None:
                 continue
-            for start in occ.fit_starts(profile):
+            for start in occ.placements(profile):
                 after = occ.placed(profile, start)  # misfit and fit_starts were just checked
                 c: Score = ()
                 if policy.host_cost is not None:
