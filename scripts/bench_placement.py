@@ -723,7 +723,7 @@ def phase_core(url: str, n_requests: int, seed: int, start_fill: float, n_gpus: 
     """The request sequence through the pure core over the in-memory fleet."""
     catalog = load_catalog()
     fleet = CoreFleet.load(url, catalog)
-    policies = {p.name: pool_policy("pack", pool_demand(catalog, p)) for p in POOLS}
+    policies = {p.name: pool_policy("pack", json.dumps(pool_demand(catalog, p))) for p in POOLS}
     fill = start_fill * n_gpus
     lat: list[float] = []
     results: list[Any] = []

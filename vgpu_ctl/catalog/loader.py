@@ -114,6 +114,7 @@ class Catalog:
             for p in ps:
                 if name not in self._offering.setdefault(p.name, []):
                     self._offering[p.name].append(name)
+        self._names = frozenset(self._offering)
         digest = hashlib.sha256()
         for name in sorted(self.models):
             digest.update(self.models[name].model_dump_json().encode())
@@ -149,9 +150,9 @@ class Catalog:
         """Names of the models that offer a profile called `profile`."""
         return list(self._offering.get(profile, ()))
 
-    def profile_names(self) -> set[str]:
+    def profile_names(self) -> frozenset[str]:
         """Every profile name in the catalog."""
-        return set(self._offering)
+        return self._names
 
     @staticmethod
     def _flatten(m: GpuModelSpec) -> list[ProfileInfo]:

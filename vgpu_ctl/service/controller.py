@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Integer, bindparam, select
+from sqlalchemy import Integer, String, bindparam, cast, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -55,22 +55,21 @@ MAX_RETRIES = 30
 
 # The claim path's statements, compiled once (see vgpu_ctl.store.prepared).
 _TENANT_BY_NAME = Prepared(select(alloc.TENANT).where(alloc.TENANT.c.name == bindparam("name")))
-_POOL_BY_NAME = Prepared(select(POOL).where(POOL.c.name == bindparam("name")))
-_ALL_POOLS = Prepared(select(POOL).order_by(POOL.c.name))
+# A pool's demand as its stored JSON text: the policy is cached by it (see pool_policy).
+_POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
+_POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
+_ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
 _INSERT_VM = insert_all(VM)
 _TENANT_ID = Prepared(select(alloc.TENANT.c.id).where(alloc.TENANT.c.name == bindparam("name")))
 _VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
                                             VM.c.idempotency_key == bindparam("key")))
 
 
-def pool_policy(name: str, demand: Mapping[str, float] | Sequence[Mapping[str, Any]] | None) -> Policy:
-    """The policy of a pool, with its demand as stored (profile -> weight, or a list of typical requests)."""
-    return _pool_policy(name, json.dumps(demand, sort_keys=True))
-
-
 @lru_cache(maxsize=256)
-def _pool_policy(name: str, demand_json: str) -> Policy:
-    stored = json.loads(demand_json)
+def pool_policy(name: str, demand_json: str | None) -> Policy:
+    """The policy of a pool, with its demand as the store holds it: JSON text of profile -> weight, or of a list
+    of typical requests (profile, gpus, vcpus, memory_mib, weight)."""
+    stored = json.loads(demand_json) if demand_json else None
     if not isinstance(stored, list):
         return get_policy(name, stored)
     shapes: dict[TaskShape, float] = {}
