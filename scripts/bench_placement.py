@@ -15,16 +15,19 @@ pack policy and a demand mix), one fresh SQLite store in a temporary folder:
    candidate pages the store's query yields (same filter, order and page size), so both make the same choice;
    the `agree` column counts requests where store and core chose the same GPUs and positions (or both refused).
 3. store: the timed window: `Controller.request_vm(..., provision=False)`, one request at a time, until the
-   requests are used up or the fleet is 90 % full. Timed: placement and claim in the store (one transaction),
-   plus the VmInfo read-back request_vm returns; no host is touched.
-4. provision (smaller run, first size only): from a copy of the pre-filled store, the same first requests with
+   requests are used up or the fleet is 90 % full. Timed: the whole call (read and plan, then the claim's
+   write transaction, and the VmInfo it returns); no host is touched.
+4. clients (--clients N, default 2): from a copy of the pre-filled store, the same requests from N processes
+   at once (request i from process i mod N), all starting together: placements per wall-clock second of the
+   window, and the latency of every request. What several controller processes on one store do.
+5. provision (smaller run, first size only): from a copy of the pre-filled store, the same first requests with
    `provision=False` and with `provision=True` through simulated hosts, to show provisioning's extra cost.
 
 Fill is measured by GPU axis units, each GPU counted by its share: sum((axis - free) / axis) / GPUs.
 Each phase runs in its own forked process, so "peak MiB" is the maximum resident set of the store phase.
 
 Usage: bench_placement.py [--sizes 1000,10000,100000] [--requests 2000] [--json] [--build auto|declare|bulk]
-       [--provision-requests 200] [--seed 7] [--profile DIR] [--in-process]
+       [--provision-requests 200] [--clients 2] [--seed 7] [--profile DIR] [--in-process]
 """
 
 from __future__ import annotations
@@ -1054,8 +1057,8 @@ def render(report: Mapping[str, Any]) -> str:
     lines = [
         f"machine: {report['machine']['cpus']} CPUs, {report['machine']['platform']}, "
         f"Python {report['machine']['python']}, SQLite {report['machine']['sqlite']}; date {report['date']}",
-        "store: Controller.request_vm(provision=False): placement + claim in the store (one transaction) + "
-        "the VmInfo read-back; core: placement.plan over in-memory HostViews, same candidate pages, no store",
+        "store: Controller.request_vm(provision=False), one request at a time: read and plan, then the claim's "
+        "write transaction; core: placement.plan over in-memory HostViews, same candidate pages, no store",
         "",
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in table]
