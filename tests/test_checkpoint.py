@@ -1,0 +1,76 @@
+"""The background WAL checkpointer of a SQLite store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import DEMO
+
+from vgpu_ctl import Controller
+from vgpu_ctl.store.checkpoint import WalCheckpointer
+from vgpu_ctl.store.engine import make_engine
+
+
+def test_controller_connections_leave_checkpoints_to_the_thread(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "state"))
+    db = tmp_path / "s.db"
+    ctl = Controller(f"sqlite:///{db}")
+    try:
+        with ctl.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
+        checkpointer = ctl._checkpointer
+        assert checkpointer is not None
+        before = checkpointer.checkpoints
+        ctl.apply_inventory(DEMO)  # writes pages to the log
+        deadline = time.monotonic() + 10
+        while checkpointer.checkpoints < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert checkpointer.checkpoints >= before + 2  # the thread runs on its own
+        busy, log, done = checkpointer.checkpoint()
+        assert busy == 0 and log == done  # nothing left behind in the log
+    finally:
+        ctl.close()
+    assert not ctl._checkpointer._thread.is_alive()  # type: ignore[union-attr]
+
+
+def test_other_engines_keep_sqlite_automatic_checkpoints(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 1000
+    finally:
+        engine.dispose()
+    assert WalCheckpointer.for_engine(make_engine("sqlite://")) is None
+
+
+def test_a_removed_store_is_not_created_again(tmp_path: Path) -> None:
+    db = tmp_path / "gone.db"
+    engine = make_engine(f"sqlite:///{db}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE t (x)")
+    engine.dispose()
+    checkpointer = WalCheckpointer(engine, interval_s=0.05)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    time.sleep(0.3)
+    checkpointer.stop()
+    assert not db.exists()  # the thread found nothing to checkpoint and stopped; it made no empty store
+
+
+def test_a_log_past_its_limit_is_restarted(tmp_path: Path) -> None:
+    db = tmp_path / "big.db"
+    engine = make_engine(f"sqlite:///{db}")
+    checkpointer = WalCheckpointer(engine, interval_s=60, restart_frames=4)  # the test runs it by hand
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE t (x)")
+            for i in range(200):
+                conn.exec_driver_sql(f"INSERT INTO t VALUES ('{'x' * 500}{i}')")
+        busy, log, done = checkpointer.checkpoint()  # past 4 frames: the PASSIVE pass, then RESTART
+        assert busy == 0 and log > 4 and log == done
+    finally:
+        checkpointer.stop()
+        engine.dispose()
