@@ -74,3 +74,17 @@ def test_a_log_past_its_limit_is_restarted(tmp_path: Path) -> None:
     finally:
         checkpointer.stop()
         engine.dispose()
+
+
+def test_a_controller_dropped_without_close_stops_its_thread(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "state"))
+    ctl = Controller(f"sqlite:///{tmp_path / 'd.db'}")
+    checkpointer = ctl._checkpointer
+    assert checkpointer is not None and checkpointer._thread.is_alive()
+    del ctl
+    gc.collect()
+    checkpointer._thread.join(5)
+    assert not checkpointer._thread.is_alive()

@@ -7,6 +7,7 @@ import json
 import secrets
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class Controller:
                  state_path: Path | None = None, init: bool = True) -> None:
         self.engine = engine or make_engine(url)
         self._checkpointer = WalCheckpointer.for_engine(self.engine)
+        if self._checkpointer is not None:  # a controller dropped without close() does not leave its thread behind
+            weakref.finalize(self, self._checkpointer.stop_soon)
         self._writers = WriterQueue.for_engine(self.engine)
         self.catalog = catalog or load_catalog()
         self.state_path = state_path or state_dir()

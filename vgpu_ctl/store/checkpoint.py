@@ -74,3 +74,7 @@ class WalCheckpointer:
         """Run a last checkpoint and stop the thread."""
         self._stop.set()
         self._thread.join(timeout=30)
+
+    def stop_soon(self) -> None:
+        """Let the thread run its last checkpoint and end, without waiting for it (an owner being collected)."""
+        self._stop.set()
