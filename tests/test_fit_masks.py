@@ -276,35 +276,22 @@ def demo_store(store_url: str, state_dir: Path) -> Iterator[tuple[str, int, int]
     yield store_url, gid, good
 
 
-def test_masks_recomputed_when_the_catalog_fingerprint_differs(demo_store: tuple[str, int, int]) -> None:
+@pytest.mark.parametrize("recorded", ["another catalog", f"{MASK_SCHEME - 1}:{CATALOG.fingerprint}"],
+                         ids=["catalog-changed", "bit-scheme-changed"])
+def test_masks_recomputed_when_what_they_were_computed_with_differs(demo_store: tuple[str, int, int],
+                                                                    recorded: str) -> None:
+    """Another catalog, or the same catalog with masks from an older way of assigning bits: recomputed on open."""
     url, gid, good = demo_store
     engine = make_engine(url)
     set_fits(engine, gid, 0)
     with engine.begin() as conn:
-        conn.execute(update(META).where(META.c.key == CATALOG_KEY).values(value="another catalog"))
-    engine.dispose()
-    c = Controller(url)
-    try:
-        assert fits_of(c, gid) == good
-        assert _meta(c.engine) == masks_key(c.catalog)
-        assert_masks_match(c)
-    finally:
-        c.close()
-
-
-def test_masks_recomputed_when_the_bit_scheme_changes(demo_store: tuple[str, int, int]) -> None:
-    """Same catalog, masks written by an older way of assigning bits: recomputed on open."""
-    url, gid, good = demo_store
-    engine = make_engine(url)
-    set_fits(engine, gid, 0)
-    with engine.begin() as conn:
-        conn.execute(update(META).where(META.c.key == CATALOG_KEY)
-                     .values(value=f"{MASK_SCHEME - 1}:{CATALOG.fingerprint}"))
+        conn.execute(update(META).where(META.c.key == CATALOG_KEY).values(value=recorded))
     engine.dispose()
     c = Controller(url)
     try:
         assert fits_of(c, gid) == good
         assert _meta(c.engine) == masks_key(c.catalog) == f"{MASK_SCHEME}:{c.catalog.fingerprint}"
+        assert_masks_match(c)
     finally:
         c.close()
 

@@ -98,11 +98,15 @@ def placeables(catalog: Catalog, profiles: frozenset[str]) -> tuple[Placeable, .
     return tuple(out)
 
 
-# A GPU that can take a profile now, with the Placeable bound at execution (c_model, c_mode, c_size, c_bit).
-# The fit mask also rules out an equal-size GPU holding or pinned to another type.
-_GPU_MATCH = and_(GPU.c.model == bindparam("c_model"), GPU.c.mode == bindparam("c_mode"),
-                  GPU.c.free_units >= bindparam("c_size", type_=Integer),
-                  GPU.c.fits.op("&")(bindparam("c_bit", type_=BigInteger)) != 0)
+def _can_take(model: Any, mode: Any, size: Any, bit: Any) -> Any:
+    """SQL condition: a GPU of this model and mode with room for a profile of this size and fit-mask bit (the mask
+    also rules out an equal-size GPU holding or pinned to another type)."""
+    return and_(GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= size, GPU.c.fits.op("&")(bit) != 0)
+
+
+# _can_take with the Placeable bound at execution (c_model, c_mode, c_size, c_bit).
+_GPU_MATCH = _can_take(bindparam("c_model"), bindparam("c_mode"), bindparam("c_size", type_=Integer),
+                       bindparam("c_bit", type_=BigInteger))
 
 
 def _match_params(c: Placeable) -> dict[str, Any]:
@@ -112,8 +116,7 @@ def _match_params(c: Placeable) -> dict[str, Any]:
 @lru_cache(maxsize=1024)
 def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
     """SQL condition: a GPU that can take one of the profiles now (the OR over their placeables)."""
-    clauses = [and_(GPU.c.model == c.model, GPU.c.mode == c.mode, GPU.c.free_units >= c.size,
-                    GPU.c.fits.op("&")(literal(c.bit, BigInteger)) != 0) for c in placeables(catalog, profiles)]
+    clauses = [_can_take(c.model, c.mode, c.size, literal(c.bit, BigInteger)) for c in placeables(catalog, profiles)]
     return or_(*clauses) if clauses else literal(False)
 
 

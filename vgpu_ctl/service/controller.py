@@ -175,16 +175,18 @@ class Controller:
 
     def _tenant_row(self, conn: Connection, name: str) -> Any:
         rows = _TENANT_BY_NAME.rows(conn, {"name": name})
-        row = rows[0] if rows else None
-        if row is None or (self.principal.tenant_id is not None and row.id != self.principal.tenant_id):
-            raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
-        return row
+        self._visible_tenant(name, rows[0].id if rows else None)
+        return rows[0]
 
     def _tenant_id(self, conn: Connection, name: str) -> int:
         row = _TENANT_ID.run(conn, {"name": name}).fetchone()
-        if row is None or (self.principal.tenant_id is not None and row[0] != self.principal.tenant_id):
+        return self._visible_tenant(name, row[0] if row else None)
+
+    def _visible_tenant(self, name: str, tenant_id: int | None) -> int:
+        """The tenant's id if it exists and the caller may see it (the admin, or that tenant); else NotFound."""
+        if tenant_id is None or (self.principal.tenant_id is not None and tenant_id != self.principal.tenant_id):
             raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
-        return int(row[0])
+        return int(tenant_id)
 
     def _pool_row(self, conn: Connection, name: str) -> Any:
         rows = _POOL_BY_NAME.rows(conn, {"name": name})

@@ -7,7 +7,7 @@ with; a controller opening the store with another catalog recomputes them first.
 
 from __future__ import annotations
 
-from sqlalchemy import Table, select, update
+from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
@@ -37,20 +37,22 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
             seen = conn.execute(select(META.c.value).where(META.c.key == CATALOG_KEY)).scalar()
         if seen == masks_key(catalog):
             return 0
-    changed = 0
     with engine.begin() as conn:
         rows = conn.execute(select(GPU.c.id, GPU.c.model, GPU.c.mode, GPU.c.mig_layout, GPU.c.layout,
                                    GPU.c.pinned_type, GPU.c.fits)).all()
+        changes = []
         for r in rows:
             try:
                 mask = fit_mask(occupancy_of(catalog, r._mapping))
             except (InvalidInput, KeyError):
                 mask = ALL_BITS
             if mask != r.fits:
-                conn.execute(update(GPU).where(GPU.c.id == r.id).values(fits=mask))
-                changed += 1
+                changes.append({"g_id": r.id, "g_fits": mask})
+        if changes:  # one batch: a catalog change on a large fleet touches many GPUs
+            conn.execute(update(GPU).where(GPU.c.id == bindparam("g_id")).values(fits=bindparam("g_fits")),
+                         changes)
         upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(META)
         # An upsert: another controller opening the store at the same moment may write the row too.
         conn.execute(upsert.values(key=CATALOG_KEY, value=masks_key(catalog))
                      .on_conflict_do_update(index_elements=[META.c.key], set_={"value": masks_key(catalog)}))
-    return changed
+    return len(changes)
