@@ -483,7 +483,7 @@ def test_migration_0002_on_a_store_at_0001(store_url: str, state_dir: Path) -> N
 
     c = Controller(store_url)
     try:
-        assert _revision(c.engine) == migrate.head_revision() == "0002"
+        assert _revision(c.engine) == migrate.head_revision()
         indexes = _indexes(c.engine)
         assert not REDUNDANT & indexes, REDUNDANT & indexes
         assert ("gpu", "gpu_candidates") in indexes and ("vm", "ix_vm_host_id") in indexes
@@ -531,7 +531,7 @@ def test_migration_0002_downgrades_with_vms_and_upgrades_again(store_url: str, s
         c.close()
     c = Controller(store_url)
     try:
-        assert _revision(c.engine) == "0002"
+        assert _revision(c.engine) == migrate.head_revision()
         assert_masks_match(c)
         check_store_invariants(c.engine)
         req(c, "c", "3g.40gb", "inference")

@@ -26,6 +26,7 @@ from vgpu_ctl.core.geometry import (
     fit_mask,
     geometry_for,
     profile_bit,
+    supported_modes,
 )
 from vgpu_ctl.core.placement import GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
@@ -91,6 +92,8 @@ def placeables(catalog: Catalog, profiles: frozenset[str]) -> tuple[Placeable, .
             p = catalog.profile(model, name)
             assert p is not None
             for mode in modes_for(p.kind):
+                if mode not in supported_modes(catalog, model):
+                    continue  # e.g. T4 and V100 have no mixed-size mode
                 geom = geometry_for(catalog, model, mode)
                 shape = geom.shape(name)
                 if shape is not None:
@@ -134,8 +137,8 @@ def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) 
 # The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
 _HOST_FILTER = and_(
     HOST.c.state == "active",
-    HOST.c.used_vcpus + bindparam("req_vcpus", type_=Integer) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
-    HOST.c.used_memory_mib + bindparam("req_memory_mib", type_=Integer)
+    HOST.c.used_vcpus + bindparam("req_vcpus", type_=BigInteger) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
+    HOST.c.used_memory_mib + bindparam("req_memory_mib", type_=BigInteger)
     <= HOST.c.memory_mib * HOST.c.memory_overcommit,
 )
 
@@ -334,7 +337,7 @@ def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) ->
 
 @lru_cache(maxsize=256)
 def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) -> Prepared:
-    d = {r: bindparam(f"d_{r}", type_=Integer) for r in resources}
+    d = {r: bindparam(f"d_{r}", type_=BigInteger) for r in resources}
     values = {f"{r}_used": TENANT.c[f"{r}_used"] + d[r] for r in resources}
     conds = [or_(TENANT.c[f"{r}_limit"].is_(None), TENANT.c[f"{r}_used"] + d[r] <= TENANT.c[f"{r}_limit"])
              for r in limited]
@@ -347,8 +350,8 @@ _SCOPED_ROWS = Prepared(select(SCOPED.c.scope, SCOPED.c.resource)
 _SCOPED_CHARGE = Prepared(update(SCOPED).where(
     SCOPED.c.tenant_id == bindparam("t_id", type_=Integer), SCOPED.c.scope == bindparam("s_scope"),
     SCOPED.c.resource == bindparam("s_resource"),
-    SCOPED.c.used + bindparam("s_n", type_=Integer) <= SCOPED.c.limit_value,
-).values(used=SCOPED.c.used + bindparam("s_n", type_=Integer)))
+    SCOPED.c.used + bindparam("s_n", type_=BigInteger) <= SCOPED.c.limit_value,
+).values(used=SCOPED.c.used + bindparam("s_n", type_=BigInteger)))
 
 
 def charge_scoped(conn: Connection, tenant_id: int,
@@ -402,11 +405,11 @@ def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[
 
 _CLAIM_HOST = Prepared(update(HOST).where(
     HOST.c.id == bindparam("h_id", type_=Integer), HOST.c.state == "active",
-    HOST.c.used_vcpus + bindparam("d_vcpus", type_=Integer) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
-    HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=Integer)
+    HOST.c.used_vcpus + bindparam("d_vcpus", type_=BigInteger) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
+    HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=BigInteger)
     <= HOST.c.memory_mib * HOST.c.memory_overcommit,
-).values(used_vcpus=HOST.c.used_vcpus + bindparam("d_vcpus", type_=Integer),
-         used_memory_mib=HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=Integer)))
+).values(used_vcpus=HOST.c.used_vcpus + bindparam("d_vcpus", type_=BigInteger),
+         used_memory_mib=HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=BigInteger)))
 
 
 def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:

@@ -41,12 +41,12 @@ class Host(SQLModel, table=True):
     driver: str = "libvirt"
     vgpu_backing: str = "mdev"
     labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
-    vcpus: int
-    memory_mib: int
+    vcpus: int = Field(sa_type=BigInteger)
+    memory_mib: int = Field(sa_type=BigInteger)
     cpu_overcommit: float = 1.0
     memory_overcommit: float = 1.0
-    used_vcpus: int = 0
-    used_memory_mib: int = 0
+    used_vcpus: int = Field(default=0, sa_type=BigInteger)
+    used_memory_mib: int = Field(default=0, sa_type=BigInteger)
     state: str = "active"
 
 
@@ -100,16 +100,16 @@ class Tenant(SQLModel, table=True):
     name: str = Field(unique=True, index=True)
     token_hash: str | None = None
     created_at: datetime = Field(default_factory=utcnow)
-    vms_used: int = 0
-    vgpus_used: int = 0
-    framebuffer_mib_used: int = 0
-    vcpus_used: int = 0
-    memory_mib_used: int = 0
-    vms_limit: int | None = None
-    vgpus_limit: int | None = None
-    framebuffer_mib_limit: int | None = None
-    vcpus_limit: int | None = None
-    memory_mib_limit: int | None = None
+    vms_used: int = Field(default=0, sa_type=BigInteger)
+    vgpus_used: int = Field(default=0, sa_type=BigInteger)
+    framebuffer_mib_used: int = Field(default=0, sa_type=BigInteger)
+    vcpus_used: int = Field(default=0, sa_type=BigInteger)
+    memory_mib_used: int = Field(default=0, sa_type=BigInteger)
+    vms_limit: int | None = Field(default=None, sa_type=BigInteger)
+    vgpus_limit: int | None = Field(default=None, sa_type=BigInteger)
+    framebuffer_mib_limit: int | None = Field(default=None, sa_type=BigInteger)
+    vcpus_limit: int | None = Field(default=None, sa_type=BigInteger)
+    memory_mib_limit: int | None = Field(default=None, sa_type=BigInteger)
     has_scoped_limits: bool = False
 
 
@@ -128,8 +128,8 @@ class ScopedQuota(SQLModel, table=True):
     tenant_id: int = Field(foreign_key="tenant.id")
     scope: str
     resource: str
-    limit_value: int
-    used: int = 0
+    limit_value: int = Field(sa_type=BigInteger)
+    used: int = Field(default=0, sa_type=BigInteger)
 
 
 class Vm(SQLModel, table=True):
@@ -149,9 +149,9 @@ class Vm(SQLModel, table=True):
     name: str
     pool_id: int | None = Field(default=None, foreign_key="pool.id")
     host_id: int | None = Field(default=None, foreign_key="host.id", index=True)
-    vcpus: int
-    memory_mib: int
-    framebuffer_mib: int = 0
+    vcpus: int = Field(sa_type=BigInteger)
+    memory_mib: int = Field(sa_type=BigInteger)
+    framebuffer_mib: int = Field(default=0, sa_type=BigInteger)
     state: str = "requested"
     idempotency_key: str | None = None
     anti_affinity: str | None = None
@@ -180,7 +180,7 @@ class Device(SQLModel, table=True):
     kind: str
     start: int
     size: int
-    framebuffer_mib: int
+    framebuffer_mib: int = Field(sa_type=BigInteger)
     uuid: str
     backing: str
     handle: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
