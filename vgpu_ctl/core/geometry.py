@@ -289,6 +289,19 @@ def fit_mask(occ: Occupancy) -> int:
     return bits
 
 
+def supported_modes(catalog: Catalog, model: str) -> frozenset[Mode]:
+    """The sharing modes a GPU of `model` can run in (those `build_geometry` builds), unmanaged aside."""
+    spec = catalog.model(model)
+    modes = {Mode.VGPU_EQUAL}
+    if spec.mixed_size:
+        modes.add(Mode.VGPU_MIXED)
+    if spec.mig is not None:
+        modes.add(Mode.MIG)
+    if spec.passthrough:
+        modes.add(Mode.PASSTHROUGH)
+    return frozenset(modes)
+
+
 def build_geometry(catalog: Catalog, model: str, mode: Mode) -> Geometry:
     """The geometry of `model` in `mode`, from the catalog."""
     spec = catalog.model(model)
