@@ -43,6 +43,7 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fit_masks import ensure_fit_masks
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
+from vgpu_ctl.service.leases import expiry, new_holder
 from vgpu_ctl.service.quotas import VM, set_limits, usage_report
 from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
 from vgpu_ctl.store import migrate
@@ -381,7 +382,7 @@ class Controller:
             vgpus = [VgpuRequest(vgpus, 1)]
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
-                        idempotency_key, template)
+                        idempotency_key, template, lease_holder=new_holder() if provision and not dry_run else None)
         req.validate()
         try:
             claimed = self._claim(req, dry_run)
@@ -391,12 +392,48 @@ class Controller:
             raise
         if isinstance(claimed, Placement):
             return claimed
-        if isinstance(claimed, VmInfo) and not provision:
+        if isinstance(claimed, str):
+            return self._made_by_key(req, claimed, provision and not dry_run)
+        if not provision:
             return claimed  # just claimed: what the claim wrote, without reading it back
-        vm_id = claimed.id if isinstance(claimed, VmInfo) else claimed
-        if provision:
-            from vgpu_ctl.service.provision import provision_vm
-            provision_vm(self, vm_id)
+        from vgpu_ctl.service.provision import provision_vm
+        provision_vm(self, claimed.id, req.lease_holder)
+        return self.get_vm(claimed.id)
+
+    def _made_by_key(self, req: VmRequest, vm_id: str, provision: bool) -> VmInfo:
+        """The VM an earlier request with the same idempotency key made, as it is now: Conflict naming the key
+        when that request asked for something else, or when the VM failed. A VM still being provisioned with
+        nobody working on it is finished; one stopped (or being deleted) is left as it is."""
+        from vgpu_ctl.service.provision import PROVISIONING, provision_vm
+        with self.engine.connect() as conn:
+            vm = self._vm_row(conn, vm_id)
+            pool = conn.execute(select(POOL.c.name).where(POOL.c.id == vm.pool_id)).scalar()
+        spec = vm.spec if isinstance(vm.spec, dict) else {}
+        asked = sorted((v.profile, v.count) for v in req.vgpus)
+        differs = [f for f, same in (
+            ("name", vm.name == req.name), ("vcpus", vm.vcpus == req.vcpus),
+            ("memory_mib", vm.memory_mib == req.memory_mib),
+            ("profile", sorted((p, n) for p, n in spec.get("vgpus", [])) == asked),
+            ("pool", (req.pool is None and spec.get("pool") is None) or pool == req.pool),
+            ("labels", spec.get("labels", {}) == req.labels), ("anti_affinity", vm.anti_affinity == req.anti_affinity),
+            ("template", spec.get("template", req.template) == req.template),
+            ("disk_gib", spec.get("disk_gib", req.disk_gib) == req.disk_gib),
+            ("network", spec.get("network", req.network) == req.network)) if not same]
+        if differs:
+            raise Conflict(f"idempotency key {req.idempotency_key!r} was already used for a different request "
+                           f"(VM {vm.name!r}; differs in {', '.join(differs)}); use a new key",
+                           reasons=[{"field": "idempotency_key", "value": req.idempotency_key, "vm": vm.name,
+                                     "differs": differs}])
+        if vm.state == "failed":
+            raise Conflict(f"idempotency key {req.idempotency_key!r} made VM {vm.name!r}, which failed "
+                           f"({vm.error}); delete it to try again",
+                           reasons=[{"field": "idempotency_key", "value": req.idempotency_key, "vm": vm.name,
+                                     "state": vm.state}])
+        if provision and vm.state in PROVISIONING:
+            try:
+                provision_vm(self, vm_id)
+            except Conflict:
+                return self.get_vm(vm_id)  # another process is working on it: the VM as it is now
         return self.get_vm(vm_id)
 
     def _record_refusal(self, req: VmRequest, exc: Refused) -> None:
@@ -596,12 +633,13 @@ class Controller:
         vm_id = str(uuid.uuid4())
         spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
                 "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
-                "disk_gib": req.disk_gib, "network": req.network}
+                "disk_gib": req.disk_gib, "network": req.network, "pool": req.pool, "template": req.template}
         _INSERT_VM.run(conn, fill_defaults(VM, {
             "id": vm_id, "tenant_id": t_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
             "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
             "state": "placed", "idempotency_key": req.idempotency_key, "anti_affinity": req.anti_affinity,
-            "template": req.template or pool.template or "domain.xml.j2", "spec": spec}))
+            "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
+            "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
         rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
         record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
                params={"name": req.name, "host": chosen.host, "pool": pool.name,

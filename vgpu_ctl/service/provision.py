@@ -13,10 +13,11 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import ProfileKind
-from vgpu_ctl.errors import Conflict, HostError, VgpuCtlError
+from vgpu_ctl.errors import Conflict, HostError, NotFound, VgpuCtlError
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDriver
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.leases import Renewal, advance, drop, new_holder, take
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import utcnow
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 log = logging.getLogger(__name__)
+PROVISIONING = ("placed", "devices-ready", "defined")
 
 
 def domain_name(vm: Any) -> str:
@@ -56,41 +58,60 @@ def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
                       mig_profile_id=mig_id, placement_id=dev.start if mixed else None)
 
 
-def provision_vm(ctl: Controller, vm_id: str) -> None:
-    """Drive a placed VM to running; on failure undo everything and raise HostError."""
-    try:
-        with ctl.engine.connect() as conn:
-            vm, host, devs = _load(ctl, conn, vm_id)
-        driver = ctl.hosts.get(host)
-        if vm.state == "placed":
-            for dev in devs:
-                if dev.state == "ready":
-                    continue
-                handle = driver.create_device(device_spec(ctl, dev))
-                with ctl.tx() as conn:
-                    conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id)
-                                 .values(state="ready", handle=_handle_json(handle)))
-            with ctl.tx() as conn:
-                _set_state(conn, vm_id, "devices-ready")
-        if vm.state in ("placed", "devices-ready"):
-            with ctl.engine.connect() as conn:
-                xml = render_vm(ctl, conn, vm_id)
-            dom_uuid = driver.define_domain(xml)
-            with ctl.tx() as conn:
-                _set_state(conn, vm_id, "defined", domain_uuid=dom_uuid)
-        driver.start_domain(domain_name(vm))
+def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
+    """Drive a placed (or part-provisioned) VM to running under a lease on it: `holder`'s (the claim's), else
+    one taken here; nothing when the VM is not being provisioned. On failure undo everything and raise
+    HostError; Conflict when another live process is working on the VM."""
+    if holder is None:
+        holder = new_holder()
         with ctl.tx() as conn:
-            _set_state(conn, vm_id, "running", error=None)
-            record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
-                   params={"name": vm.name})
+            if take(conn, vm_id, holder, PROVISIONING, what="provision") is None:
+                return
+    try:
+        with Renewal(ctl, vm_id, holder):
+            _provision(ctl, vm_id, holder)
     except VgpuCtlError as exc:
-        undo(ctl, vm_id, exc.message)
-        if isinstance(exc, HostError):
+        undo(ctl, vm_id, exc.message, holder)
+        if isinstance(exc, HostError | Conflict):
             raise
         raise HostError(f"provisioning VM {vm_id} failed and was undone: {exc.message}") from exc
     except Exception as exc:
-        undo(ctl, vm_id, f"{type(exc).__name__}: {exc}")
+        undo(ctl, vm_id, f"{type(exc).__name__}: {exc}", holder)
         raise HostError(f"provisioning VM {vm_id} failed and was undone: {type(exc).__name__}: {exc}") from exc
+
+
+def _step(conn: Connection, vm: Any, holder: str, from_state: str, to_state: str, **values: Any) -> None:
+    """One step of provisioning, taken only while `holder` holds the VM's lease (a compare-and-set)."""
+    if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state != "running", **values):
+        raise Conflict(f"VM {vm.name!r} changed while it was being provisioned (another process took it over)",
+                       reasons=[{"vm": vm.name, "step": to_state}])
+
+
+def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
+    with ctl.engine.connect() as conn:
+        vm, host, devs = _load(ctl, conn, vm_id)
+    driver = ctl.hosts.get(host)
+    if vm.state == "placed":
+        for dev in devs:
+            if dev.state == "ready":
+                continue
+            handle = driver.create_device(device_spec(ctl, dev))
+            with ctl.tx() as conn:
+                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id)
+                             .values(state="ready", handle=_handle_json(handle)))
+        with ctl.tx() as conn:
+            _step(conn, vm, holder, "placed", "devices-ready")
+    if vm.state in ("placed", "devices-ready"):
+        with ctl.engine.connect() as conn:
+            xml = render_vm(ctl, conn, vm_id)
+        dom_uuid = driver.define_domain(xml)
+        with ctl.tx() as conn:
+            _step(conn, vm, holder, "devices-ready", "defined", domain_uuid=dom_uuid)
+    driver.start_domain(domain_name(vm))
+    with ctl.tx() as conn:
+        _step(conn, vm, holder, "defined", "running", error=None)
+        record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
+               params={"name": vm.name})
 
 
 def _tenant_name(conn: Connection, vm: Any) -> str | None:
@@ -132,42 +153,68 @@ def _free_claim(ctl: Controller, conn: Connection, vm: Any, devs: list[Any]) -> 
     alloc.free_devices(conn, ctl.catalog, [d._mapping for d in devs])
 
 
-def undo(ctl: Controller, vm_id: str, error: str) -> None:
-    """Roll a failed request back: host side first, then claim and quota; the VM is kept as failed."""
+def _free_once(ctl: Controller, conn: Connection, vm_id: str, holder: str, from_states: tuple[str, ...],
+               to_state: str, **values: Any) -> Any | None:
+    """Move the VM to `to_state` and give back its claim, if `holder` holds its lease and it is in one of
+    `from_states` (a compare-and-set, so a claim is given back exactly once); the VM row, or None."""
+    if not advance(conn, vm_id, holder, from_states, to_state, keep_lease=False, **values):
+        return None
+    vm, _host, devs = _load(ctl, conn, vm_id)
+    _free_claim(ctl, conn, vm, devs)
+    return vm
+
+
+def undo(ctl: Controller, vm_id: str, error: str, holder: str) -> None:
+    """Roll a failed request back while `holder` holds its lease: host side first, then claim and quota; the
+    VM is kept as failed. Nothing when the lease is no longer `holder`'s."""
     with ctl.engine.connect() as conn:
         vm, host, devs = _load(ctl, conn, vm_id)
-    if vm.state == "failed":
+    if vm.state not in (*PROVISIONING, "running") or vm.lease_holder != holder:
         return
     errors = _teardown(ctl, ctl.hosts.get(host), vm, devs)
     with ctl.tx() as conn:
-        _free_claim(ctl, conn, vm, devs)
-        _set_state(conn, vm_id, "failed", error=error + ("; cleanup: " + "; ".join(errors) if errors else ""))
-        record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", result="failed", error=error,
-               tenant=_tenant_name(conn, vm), params={"name": vm.name})
+        freed = _free_once(ctl, conn, vm_id, holder, (*PROVISIONING, "running"), "failed",
+                           error=error + ("; cleanup: " + "; ".join(errors) if errors else ""))
+        if freed is not None:
+            record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", result="failed", error=error,
+                   tenant=_tenant_name(conn, vm), params={"name": vm.name})
 
 
-def release_vm(ctl: Controller, vm_id: str) -> None:
-    """Delete a VM: persist 'releasing', remove domain and devices, then free claim and quota."""
+HOLDS_CLAIM = ("placed", "devices-ready", "defined", "running", "stopped", "releasing")
+
+
+def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
+    """Delete a VM: take its lease and persist 'releasing', remove domain and devices, then free claim and
+    quota, exactly once. Conflict while another live process works on the VM; NotFound once it is gone."""
+    holder = holder or new_holder()
     with ctl.tx() as conn:
-        vm = conn.execute(select(VM).where(VM.c.id == vm_id)).one()
-        if vm.state != "failed":
-            _set_state(conn, vm_id, "releasing")
-    with ctl.engine.connect() as conn:
-        vm, host, devs = _load(ctl, conn, vm_id)
-    if vm.state == "releasing":
+        vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state="releasing", what="delete")
+        if vm is None:  # failed (it holds nothing), or deleted meanwhile
+            gone = conn.execute(select(VM.c.name, VM.c.tenant_id).where(VM.c.id == vm_id)).first()
+            if gone is None or conn.execute(VM.delete().where(VM.c.id == vm_id, VM.c.state == "failed")).rowcount != 1:
+                raise NotFound(f"VM {vm_id} not found (deleted meanwhile?)", reasons=[{"field": "vm", "value": vm_id}])
+            record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=_tenant_name(conn, gone),
+                   params={"name": gone.name})
+            return
+    with Renewal(ctl, vm_id, holder):
+        with ctl.engine.connect() as conn:
+            vm, host, devs = _load(ctl, conn, vm_id)
         errors = _teardown(ctl, ctl.hosts.get(host), vm, devs)
-        if errors:
-            with ctl.tx() as conn:
+        with ctl.tx() as conn:
+            if errors:
                 conn.execute(update(VM).where(VM.c.id == vm_id).values(error="; ".join(errors)))
-            raise HostError(f"deleting VM {vm.name!r} left work on host {host.name}: {'; '.join(errors)}; "
-                            "the VM stays 'releasing' and `vgpuctl reconcile --fix` or a new delete finishes it")
-    with ctl.tx() as conn:
-        if vm.state == "releasing":
-            _free_claim(ctl, conn, vm, devs)
-        conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm_id))
-        conn.execute(VM.delete().where(VM.c.id == vm_id))
-        tenant = _tenant_name(conn, vm)
-        record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=tenant, params={"name": vm.name})
+                drop(conn, vm_id, holder)
+            elif _free_once(ctl, conn, vm_id, holder, ("releasing",), "releasing") is None:
+                raise Conflict(f"VM {vm.name!r} changed while it was being deleted (another process took it over)",
+                               reasons=[{"vm": vm.name}])
+            else:
+                conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm_id))
+                conn.execute(VM.delete().where(VM.c.id == vm_id))
+                record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
+                       params={"name": vm.name})
+    if errors:
+        raise HostError(f"deleting VM {vm.name!r} left work on host {host.name}: {'; '.join(errors)}; "
+                        "the VM stays 'releasing' and `vgpuctl reconcile --fix` or a new delete finishes it")
 
 
 def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> None:
@@ -184,7 +231,11 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> Non
     else:
         driver.stop_domain(domain_name(vm), force=force)
     with ctl.tx() as conn:
-        _set_state(conn, vm_id, "running" if on else "stopped")
+        changed = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, VM.c.lease_holder.is_(None))
+                               .values(state="running" if on else "stopped", updated_at=utcnow()))
+        if changed.rowcount != 1:  # deleted or taken over meanwhile: its state is the other operation's
+            raise Conflict(f"VM {vm.name!r} changed while it was being {'started' if on else 'stopped'}",
+                           reasons=[{"vm": vm.name}])
         tenant = _tenant_name(conn, vm)
         record(conn, ctl.principal.actor, "vm.start" if on else "vm.stop", f"vm:{vm_id}", tenant=tenant,
                params={"name": vm.name, "force": force})

@@ -1,6 +1,8 @@
 """Reconcile: compare the store with what the hosts really have, report drift, and with fix repair it.
 
-It never removes a device that a defined domain uses, and never touches a domain it did not write.
+It never removes a device that a defined domain uses, and never touches a domain it did not write. A VM in
+the middle of an operation is reported in progress while a live process holds its lease, and finished (or
+rolled back) at once when none does; `stuck_after` is not used (the lease decides, not the clock).
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ from sqlalchemy import select, update
 from vgpu_ctl.hosts.protocol import DeviceSpec
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.provision import domain_name, provision_vm, release_vm, undo
+from vgpu_ctl.service.leases import IN_FLIGHT, is_held, new_holder, take
+from vgpu_ctl.service.provision import PROVISIONING, domain_name, provision_vm, release_vm, undo
 from vgpu_ctl.service.quotas import VM
-from vgpu_ctl.store.models import utcnow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-INTERMEDIATE = ("placed", "devices-ready")
-LIVE = ("defined", "running", "stopped")
+LIVE = ("running", "stopped")
 
 
 @dataclass
@@ -53,7 +54,8 @@ class ReconcileReport:
 
     @property
     def clean(self) -> bool:
-        """True when nothing differs (or everything found was fixed)."""
+        """True when nothing differs (or everything found was fixed); a VM another process is still working
+        on (`in-progress`) is not clean."""
         return all(f.fixed for f in self.findings)
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,7 +67,6 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
               progress: Any = None) -> ReconcileReport:
     """Compare every host with the store; with `fix`, repair what is safe to repair."""
     report = ReconcileReport()
-    cutoff = utcnow() - stuck_after
     with ctl.engine.connect() as conn:
         hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
         vms = conn.execute(select(VM)).all()
@@ -115,7 +116,7 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
         for vm in (v for v in vms if v.host_id == host.id):
-            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, cutoff, fix))
+            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, fix))
     if fix and report.findings:
         with ctl.tx() as conn:
             record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
@@ -123,11 +124,17 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
     return report
 
 
+def _roll_back(ctl: Controller, vm: Any) -> None:
+    holder = new_holder()
+    with ctl.tx() as conn:
+        if take(conn, vm.id, holder, PROVISIONING[:2], what="roll back") is None:
+            raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
+    undo(ctl, vm.id, f"rolled back by reconcile: left {vm.state} by a process that stopped", holder)
+
+
 def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_uuids: set[str],
-              store_uuids: dict[str, str], cutoff: Any, fix: bool) -> list[Finding]:
+              store_uuids: dict[str, str], fix: bool) -> list[Finding]:
     name = domain_name(vm)
-    updated = vm.updated_at.replace(tzinfo=None) if vm.updated_at is not None else None
-    stale = updated is None or updated <= cutoff.replace(tzinfo=None)
     mine = {u for u, owner in store_uuids.items() if owner == vm.id}
     def finding(kind: str, detail: str, action: str, repair: Callable[[], object]) -> list[Finding]:
         f = Finding(kind, host.name, f"vm:{vm.id}", detail, action=action)
@@ -135,19 +142,23 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
             _try(f, repair)
         return [f]
 
-    if vm.state in INTERMEDIATE and stale:
-        return finding("stuck-claim", f"VM {vm.name} stuck in {vm.state} since {vm.updated_at}", "roll back",
-                       lambda: undo(ctl, vm.id, f"rolled back by reconcile: stuck in {vm.state}"))
-    if vm.state == "releasing" and stale:
-        return finding("stuck-release", f"VM {vm.name} stuck releasing", "finish release",
+    if vm.state in IN_FLIGHT and is_held(vm.lease_holder, vm.lease_expires):
+        return [Finding("in-progress", host.name, f"vm:{vm.id}",
+                        f"VM {vm.name} is {vm.state}: process {vm.lease_holder} is working on it (lease until "
+                        f"{vm.lease_expires:%Y-%m-%d %H:%M:%S}Z, renewed while it works)", action="wait")]
+    if vm.state in PROVISIONING[:2]:
+        return finding("stuck-claim", f"VM {vm.name} left {vm.state} (no process holds it)", "roll back",
+                       lambda: _roll_back(ctl, vm))
+    if vm.state == "releasing":
+        return finding("stuck-release", f"VM {vm.name} left releasing (no process holds it)", "finish release",
                        lambda: release_vm(ctl, vm.id))
-    if vm.state not in LIVE:
+    if vm.state not in ("defined", *LIVE):
         return []
     missing_devices = sorted(mine - host_uuids)
     if name in domain_names and not missing_devices:
-        if vm.state == "defined" and stale:
-            return finding("stuck-start", f"VM {vm.name} defined but never started", "start domain",
-                           lambda: provision_vm(ctl, vm.id))
+        if vm.state == "defined":
+            return finding("stuck-start", f"VM {vm.name} defined but never started (no process holds it)",
+                           "start domain", lambda: provision_vm(ctl, vm.id))
         return []
     what = []
     if name not in domain_names:
@@ -156,10 +167,12 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
         what.append(f"devices missing on host: {', '.join(missing_devices)}")
 
     def recreate() -> None:
+        holder = new_holder()
         with ctl.tx() as conn:
+            if take(conn, vm.id, holder, ("defined", *LIVE), to_state="placed", what="recreate") is None:
+                raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
             conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
-            conn.execute(update(VM).where(VM.c.id == vm.id).values(state="placed", updated_at=utcnow()))
-        provision_vm(ctl, vm.id)
+        provision_vm(ctl, vm.id, holder)
 
     return finding("lost-vm", f"VM {vm.name} ({vm.state}): {'; '.join(what)}", "recreate devices and domain",
                    recreate)

@@ -35,6 +35,7 @@ class VmRequest:
     template: str | None = None
     disk_gib: int = 20
     network: str = "default"
+    lease_holder: str | None = None  # who provisions the VM once claimed (see service.leases)
 
     def validate(self) -> None:
         """InvalidInput naming the field and value of the first bad one."""

@@ -159,6 +159,8 @@ class Vm(SQLModel, table=True):
     template: str = "domain.xml.j2"
     spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     error: str | None = None
+    lease_holder: str | None = None  # the process running an operation on the VM (see service.leases)
+    lease_expires: datetime | None = None
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 

@@ -1,0 +1,110 @@
+"""Issue 9's safety defects, one regression test (or a few) each: what hostile or unlucky use did, and what it
+must do now. Bad input ends in InvalidInput naming the field, with nothing changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import check_store_invariants, store_snapshot
+
+from vgpu_ctl import Conflict, Controller
+
+
+def req(ctl: Controller, name: str, profile: str = "A100D-10C", tenant: str = "acme", **kw: Any) -> Any:
+    kw.setdefault("vcpus", 2)
+    kw.setdefault("memory_mib", 4096)
+    return ctl.request_vm(tenant, name, [(profile, 1)], **kw)
+
+
+@pytest.fixture
+def acme(ctl: Controller) -> Controller:
+    ctl.create_tenant("acme")
+    return ctl
+
+
+def _domain_active(ctl: Controller, vm: Any) -> bool:
+    with ctl.engine.connect() as conn:
+        from sqlalchemy import select
+
+        from vgpu_ctl.service import allocation as alloc
+        host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == vm.host)).one()
+    return next(d.active for d in ctl.hosts.get(host).list_domains() if d.uuid == vm.id)
+
+
+# -- 2: idempotency keys -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", [{"vcpus": 4}, {"memory_mib": 8192}, {"profile": "A100D-20C"},
+                                    {"name": "other"}, {"pool": "training"}, {"labels": {"a": "b"}}])
+def test_idempotency_key_reused_for_another_request_is_a_conflict(acme: Controller, change: dict[str, Any]) -> None:
+    first = req(acme, "job1", pool="inference", idempotency_key="k-1")
+    before = store_snapshot(acme)
+    kw: dict[str, Any] = {"name": "job1", "profile": "A100D-10C", "pool": "inference", **change}
+    with pytest.raises(Conflict, match="idempotency key 'k-1'") as err:
+        req(acme, kw.pop("name"), kw.pop("profile"), idempotency_key="k-1", **kw)
+    assert err.value.reasons[0]["field"] == "idempotency_key"
+    assert store_snapshot(acme) == before
+    assert req(acme, "job1", pool="inference", idempotency_key="k-1").id == first.id  # the same request still is
+
+
+def test_resent_create_does_not_start_a_stopped_vm(acme: Controller) -> None:
+    vm = req(acme, "job1", idempotency_key="k-1")
+    acme.stop_vm(vm.id)
+    again = req(acme, "job1", idempotency_key="k-1")
+    assert again.id == vm.id and again.state == "stopped"
+    assert not _domain_active(acme, vm)
+    check_store_invariants(acme.engine)
+
+
+# -- 11: in-flight VMs after a crash -----------------------------------------------------------------------
+
+
+def test_reconcile_reports_a_vm_another_process_works_on_as_in_progress(acme: Controller) -> None:
+    from vgpu_ctl.service.leases import expiry
+
+    vm = req(acme, "job1", provision=False)
+    with acme.tx() as conn:  # another live process (on another machine) is provisioning it
+        from sqlalchemy import update
+
+        from vgpu_ctl.service.quotas import VM
+        conn.execute(update(VM).where(VM.c.id == vm.id).values(lease_holder="elsewhere:1:abc",
+                                                                lease_expires=expiry()))
+    for fix in (False, True):
+        report = acme.reconcile(fix=fix)
+        assert not report.clean
+        f = next(f for f in report.findings if f.target == f"vm:{vm.id}")
+        assert f.kind == "in-progress" and not f.fixed
+    assert acme.get_vm(vm.id).state == "placed"  # left to the process that holds it
+
+
+def test_reconcile_finishes_an_abandoned_vm_at_once(acme: Controller) -> None:
+    vm = req(acme, "job1", provision=False)  # claimed, then its process went away: no lease is held
+    report = acme.reconcile(fix=False)
+    assert not report.clean
+    assert next(f for f in report.findings if f.target == f"vm:{vm.id}").kind == "stuck-claim"
+    report = acme.reconcile(fix=True)
+    assert report.clean, report.to_dict()
+    assert acme.get_vm(vm.id).state == "failed"
+    check_store_invariants(acme.engine)
+
+
+def test_reconcile_finishes_a_vm_whose_holder_died(acme: Controller, state_dir: Path) -> None:
+    import subprocess
+
+    from sqlalchemy import update
+
+    from vgpu_ctl.service.leases import expiry, new_holder
+    from vgpu_ctl.service.quotas import VM
+    vm = req(acme, "job1")
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    holder = new_holder().split(":")
+    with acme.tx() as conn:  # a release was under way in a process of this machine that no longer runs
+        conn.execute(update(VM).where(VM.c.id == vm.id).values(
+            state="releasing", lease_holder=f"{holder[0]}:{proc.pid}:{holder[2]}", lease_expires=expiry()))
+    report = acme.reconcile(fix=True)
+    assert report.clean, report.to_dict()
+    assert [v.name for v in acme.list_vms()] == []
+    check_store_invariants(acme.engine)

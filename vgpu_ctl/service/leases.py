@@ -1,0 +1,137 @@
+"""Leases on VMs' in-flight operations: which process is provisioning, releasing or repairing a VM, and
+until when. The holder renews its lease while it works; a lease whose time has passed, or whose holder is a
+process of this machine that no longer runs, holds nothing, so reconcile can finish the VM at once."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Collection
+from datetime import UTC, datetime, timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.errors import Conflict
+from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.store.models import utcnow
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+
+LEASE_SECONDS = 30.0
+IN_FLIGHT = ("placed", "devices-ready", "defined", "releasing")
+_HOST = socket.gethostname()
+
+
+def new_holder() -> str:
+    """A holder name for one operation: this machine, this process, and a random part."""
+    return f"{_HOST}:{os.getpid()}:{secrets.token_hex(6)}"
+
+
+def expiry(seconds: float = LEASE_SECONDS) -> datetime:
+    """When a lease taken or renewed now runs out."""
+    return utcnow() + timedelta(seconds=seconds)
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_held(holder: str | None, expires: datetime | None, now: datetime | None = None) -> bool:
+    """True while a lease holds its VM: its time has not passed and, for a holder on this machine, the
+    holder's process still runs."""
+    if holder is None or expires is None:
+        return False
+    if _aware(expires) <= _aware(now or utcnow()):
+        return False
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host == _HOST and pid.isdigit():
+        return _pid_runs(int(pid))
+    return True
+
+
+def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_state: str | None = None,
+         what: str = "change") -> Any | None:
+    """Take the VM's lease for `holder` (inside the caller's transaction) if the VM is in one of `states` and
+    no live process holds it, moving it to `to_state` if given; the VM row as it was, or None when the VM is
+    gone or in another state. Conflict when another live process holds it. A compare-and-set on the lease as
+    read, so two callers never both take it."""
+    vm = conn.execute(select(VM).where(VM.c.id == vm_id)).first()
+    if vm is None or vm.state not in states:
+        return None
+    if vm.lease_holder not in (None, holder) and is_held(vm.lease_holder, vm.lease_expires):
+        raise Conflict(f"VM {vm.name!r} is {vm.state}: another process ({vm.lease_holder}) is working on it "
+                       f"until {vm.lease_expires:%Y-%m-%d %H:%M:%S}Z at the latest; try to {what} it later",
+                       reasons=[{"vm": vm.name, "state": vm.state, "lease_holder": vm.lease_holder}])
+    same = func.coalesce(VM.c.lease_holder, "") == (vm.lease_holder or "")
+    values: dict[str, Any] = {"lease_holder": holder, "lease_expires": expiry()}
+    if to_state is not None:
+        values.update(state=to_state, updated_at=utcnow())
+    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, same).values(**values))
+    if res.rowcount != 1:  # changed since read: someone else took it
+        raise Conflict(f"VM {vm.name!r} changed while taking it to {what}; try again",
+                       reasons=[{"vm": vm.name, "state": vm.state}])
+    return vm
+
+
+def advance(conn: Connection, vm_id: str, holder: str, from_states: Collection[str], to_state: str,
+            *, keep_lease: bool = True, **values: Any) -> bool:
+    """Move the VM from one of `from_states` to `to_state` if `holder` still holds its lease (and, without
+    `keep_lease`, end the lease); whether it did."""
+    lease: dict[str, Any] = {"lease_expires": expiry()} if keep_lease else {"lease_holder": None,
+                                                                             "lease_expires": None}
+    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state.in_(list(from_states)),
+                                        VM.c.lease_holder == holder)
+                       .values(state=to_state, updated_at=utcnow(), **lease, **values))
+    return bool(res.rowcount == 1)
+
+
+def drop(conn: Connection, vm_id: str, holder: str) -> None:
+    """End `holder`'s lease on the VM, if it still has it."""
+    conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.lease_holder == holder)
+                 .values(lease_holder=None, lease_expires=None))
+
+
+class Renewal:
+    """While open, renews `holder`'s lease on the VM every third of its time (on a background thread)."""
+
+    def __init__(self, ctl: Controller, vm_id: str, holder: str, every: float = LEASE_SECONDS / 3) -> None:
+        self._ctl, self._vm_id, self._holder, self._every = ctl, vm_id, holder, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{vm_id[:8]}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                with self._ctl.tx() as conn:
+                    res = conn.execute(update(VM).where(VM.c.id == self._vm_id, VM.c.lease_holder == self._holder)
+                                       .values(lease_expires=expiry()))
+                if res.rowcount != 1:
+                    return  # the lease ended (or the VM is gone): nothing more to renew
+            except Exception:  # a busy store: try again at the next tick, while the lease still runs
+                continue
+
+    def __enter__(self) -> Renewal:
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
