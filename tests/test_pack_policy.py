@@ -21,6 +21,7 @@ CATALOG = load_catalog()
 A100 = geometry_for(CATALOG, "A100-80GB", "vgpu-equal")
 A100_MIG = geometry_for(CATALOG, "A100-80GB", "mig")
 T4 = geometry_for(CATALOG, "T4", "vgpu-equal")
+H100_MIG = geometry_for(CATALOG, "H100-80GB", "mig")
 
 
 def occ(g: Geometry, *placements: tuple[str, int]) -> Occupancy:
@@ -77,12 +78,52 @@ def test_multi_gpu_plan_scores_the_whole_host() -> None:
     assert scored is not None and scored[0][0] > 0  # h0 would lose its pair of whole GPUs
 
 
-def test_fills_first_the_gpus_no_typical_task_can_use() -> None:
+def test_a_gpu_no_typical_task_can_run_on_holds_no_fragment() -> None:
+    # 7g.80gb tasks can never run on a T4: its free share is nobody's fragment, so filling it gains nothing
+    # (FGD counted all of it, which drew tasks that could run elsewhere onto the models the fewest tasks can use)
     a100, t4 = host(0, occ(A100_MIG)), host(1, occ(T4))
     on_t4 = plan_on_host(t4, PlacementRequest(("T4-16C",), 1, 1024), get_policy("pack", {"7g.80gb": 1.0}))
     on_a100 = plan_on_host(a100, PlacementRequest(("7g.80gb",), 1, 1024), get_policy("pack", {"7g.80gb": 1.0}))
     assert on_t4 is not None and on_a100 is not None
-    assert on_t4[0][0] == -1.0 and on_a100[0][0] == 0.0  # the T4's free share was all fragment for 7g.80gb
+    assert on_t4[0][0] == 0.0 and on_a100[0][0] == 0.0
+
+
+def test_a_shape_counts_only_on_the_models_it_may_run_on() -> None:
+    h100 = host(0, occ(H100_MIG))
+    req = PlacementRequest(("1g.10gb",), 1, 1024)
+    anywhere = plan_on_host(h100, req, get_policy("pack", {TaskShape(("7g.80gb",)): 1.0}))
+    only = frozenset({"A100-80GB"})
+    a100_only = plan_on_host(h100, req, get_policy("pack", {TaskShape(("7g.80gb",), models=only): 1.0}))
+    assert anywhere is not None and a100_only is not None
+    assert anywhere[0][0] == 0.875  # a 1g instance leaves no room for a 7g: the other 7/8 are stranded
+    assert a100_only[0][0] == 0.0  # the H100 is nothing to a task that may only run on an A100
+
+
+def test_multi_gpu_tasks_see_no_fragment_on_hosts_too_small_for_them() -> None:
+    demand = {TaskShape(("A100D-80C",), gpus=2): 1.0}
+    req = PlacementRequest(("A100D-80C",), 1, 1024)
+    narrow = plan_on_host(host(0, occ(A100)), req, get_policy("pack", demand))
+    wide = plan_on_host(host(1, occ(A100, ("A100D-80C", 0)), occ(A100)), req, get_policy("pack", demand))
+    assert narrow is not None and wide is not None
+    assert narrow[0][0] == 0.0  # a one-GPU host never runs a 2-GPU task
+    assert wide[0][0] == -1.0  # the lone free GPU of a 2-GPU host was a fragment for them
+
+
+def test_scarce_models_room_is_left_to_the_demand_that_can_run_only_there() -> None:
+    # 7g.80gb runs on A100-80GB and H100-80GB; half the demand may only use the one H100 of nine GPUs
+    demand = {TaskShape(("7g.80gb",)): 1.0, TaskShape(("7g.80gb",), models=frozenset({"H100-80GB"})): 1.0}
+    hosts = [host(0, occ(H100_MIG)), host(1, occ(A100_MIG))]
+    req = PlacementRequest(("7g.80gb",), 1, 1024)
+    assert where(req, hosts, "pack", demand) == (0, 0)  # without the supply both cost nothing: host order
+    scarce = plan(req, hosts, get_policy("pack", demand, {"H100-80GB": 1, "A100-80GB": 8}))
+    assert scarce is not None and scarce.host_id == 1
+    # as much H100-only demand as the H100's share of the GPUs: both models equally scarce, host order again
+    even = {TaskShape(("7g.80gb",), models=frozenset({"A100-80GB"})): 8.0,
+            TaskShape(("7g.80gb",), models=frozenset({"H100-80GB"})): 1.0}
+    p = plan(req, hosts, get_policy("pack", even, {"H100-80GB": 1, "A100-80GB": 8}))
+    assert p is not None and p.host_id == 0
+    # the price is for room taken: a policy without pack's host cost ignores the supply
+    assert where(req, hosts, "first-fit") == (0, 0)
 
 
 @pytest.mark.parametrize(("profiles", "winner"), [(("T4-16C", "T4-8C"), 1), (("T4-8C", "T4-16C"), 0)])

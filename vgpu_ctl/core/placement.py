@@ -68,12 +68,14 @@ class PlacementPlan:
 
 @dataclass(frozen=True, slots=True)
 class TaskShape:
-    """A typical request of a demand mix: its profile (one per GPU model it may use), GPU count, vCPUs, memory."""
+    """A typical request of a demand mix: its profile (one per GPU model it may use), GPU count, vCPUs, memory, and
+    the GPU models it may run on (None: any model that offers one of its profiles)."""
 
     profiles: tuple[str, ...]  # on a GPU, the first of them its geometry offers
     gpus: int = 1
     vcpus: float = 0.0
     memory_mib: float = 0.0
+    models: frozenset[str] | None = None
 
 
 # What a pool's requests look like: profile (a one-GPU request needing no vCPUs or memory) or task shape -> weight.
@@ -123,19 +125,29 @@ class _Kind:
     profiles: tuple[str, ...]
     gpus: int
     needs: tuple[tuple[float, float, float], ...]  # (vcpus, memory_mib, weight) per shape
+    models: frozenset[str] | None = None
+
+    @property
+    def weight(self) -> float:
+        """The weight of the kind's shapes together."""
+        return sum(w for _, _, w in self.needs)
 
 
 @lru_cache(maxsize=1024)
 def _kinds(mix: Mix) -> tuple[_Kind, ...]:
-    grouped: dict[tuple[tuple[str, ...], int], list[tuple[float, float, float]]] = {}
+    Key = tuple[tuple[str, ...], int, frozenset[str] | None]
+    grouped: dict[Key, list[tuple[float, float, float]]] = {}
     for shape, w in mix:
-        grouped.setdefault((shape.profiles, shape.gpus), []).append((shape.vcpus, shape.memory_mib, w))
-    return tuple(_Kind(p, n, tuple(needs)) for (p, n), needs in grouped.items())
+        grouped.setdefault((shape.profiles, shape.gpus, shape.models), []).append(
+            (shape.vcpus, shape.memory_mib, w))
+    return tuple(_Kind(p, n, tuple(needs), models) for (p, n, models), needs in grouped.items())
 
 
 @lru_cache(maxsize=1024)
 def _profiles_on(kinds: tuple[_Kind, ...], geometry: Geometry) -> tuple[str | None, ...]:
-    return tuple(next((p for p in k.profiles if p in geometry.shapes), None) for k in kinds)
+    """Per kind, the profile it takes on a GPU of this geometry (None: it cannot run there)."""
+    return tuple(None if k.models is not None and geometry.model not in k.models else
+                 next((p for p in k.profiles if p in geometry.shapes), None) for k in kinds)
 
 
 @lru_cache(maxsize=1024)
@@ -168,12 +180,21 @@ def _admitted_weights(kinds: tuple[_Kind, ...], vcpus: float, memory_mib: float)
     return tuple(sum(w for c, m, w in k.needs if c <= vcpus and m <= memory_mib) for k in kinds)
 
 
+@lru_cache(maxsize=4096)
+def _runnable_weight(kinds: tuple[_Kind, ...], geometry: Geometry, gpus: int) -> float:
+    """The weight of the kinds of task a host of `gpus` GPUs of this geometry could ever run: its model and mode
+    offer their profile, and it has as many GPUs as they ask for."""
+    return sum(k.weight for k, p in zip(kinds, _profiles_on(kinds, geometry), strict=True)
+               if p is not None and k.gpus <= gpus)
+
+
 @lru_cache(maxsize=200_000)
-def _gpu_fragmentation(occ: Occupancy, kinds: tuple[_Kind, ...], admitted: tuple[float, ...]) -> float:
-    """The GPU's share of its host's fragmentation, except for multi-GPU kinds (see `_host_cost`)."""
+def _gpu_fragmentation(occ: Occupancy, kinds: tuple[_Kind, ...], admitted: tuple[float, ...], gpus: int) -> float:
+    """The GPU's share of its host's fragmentation, except for multi-GPU kinds (see `_host_cost`), on a host of
+    `gpus` GPUs. Tasks the host could never run (another model, more GPUs) see none of it."""
     free, stranded, _ = _gpu_stats(occ, kinds)
-    return free + sum(w * (st - free) for kind, w, st in zip(kinds, admitted, stranded, strict=True)
-                      if w and kind.gpus == 1)
+    return free * _runnable_weight(kinds, occ.geometry, gpus) + \
+        sum(w * (st - free) for kind, w, st in zip(kinds, admitted, stranded, strict=True) if w and kind.gpus == 1)
 
 
 def _gang_fragmentation(kinds: tuple[_Kind, ...], totals: GpuStats, moves: Sequence[tuple[GpuStats, GpuStats]],
@@ -189,13 +210,41 @@ def _gang_fragmentation(kinds: tuple[_Kind, ...], totals: GpuStats, moves: Seque
     return total
 
 
-def _host_cost(mix: Mix | None) -> HostCostFn:
+Supply = tuple[tuple[str, float], ...]  # GPU model -> GPUs of it, sorted
+
+
+@lru_cache(maxsize=1024)
+def _scarcity(kinds: tuple[_Kind, ...], supply: Supply, geometry: Geometry) -> float:
+    """The price of a GPU's worth of room on this geometry's model: the demand that can run on that model only
+    (weight x GPUs x the share its profile takes there), over the model's share of the GPUs supplied."""
+    total = sum(n for _, n in supply)
+    have = dict(supply).get(geometry.model, 0.0)
+    if total <= 0 or have <= 0:
+        return 0.0
+    only = frozenset((geometry.model,))
+    demand = 0.0
+    for k, p in zip(kinds, _profiles_on(kinds, geometry), strict=True):
+        if p is not None and k.models == only:
+            demand += k.weight * k.gpus * geometry.shapes[p].size / geometry.axis
+    return demand * total / have
+
+
+def _host_cost(mix: Mix | None, supply: Supply = ()) -> HostCostFn:
     """The change in a host's expected fragmentation (FGD) against the mix: for each typical task, weighted, the
     host's free GPU share it could not use: all of it if the host cannot take the task (vCPUs, memory, fewer GPUs
     with room than it asks for), else the share stranded on GPUs with no room for it. One-GPU tasks add up per GPU;
     multi-GPU tasks are counted over the host's totals."""
 
     fixed = _kinds(mix) if mix else None
+    known: dict[Geometry, float] = {}  # the scarcity price per geometry, for the fixed kinds
+
+    def priced(kinds: tuple[_Kind, ...], geometry: Geometry) -> float:
+        if kinds is not fixed:
+            return _scarcity(kinds, supply, geometry)
+        hit = known.get(geometry)
+        if hit is None:
+            hit = known[geometry] = _scarcity(kinds, supply, geometry)
+        return hit
 
     def price(host: HostView, req: PlacementRequest) -> PlanCost:
         kinds = fixed or _kinds(_uniform_mix(tuple(dict.fromkeys(g.occupancy.geometry for g in host.gpus))))
@@ -203,9 +252,11 @@ def _host_cost(mix: Mix | None) -> HostCostFn:
         now = _admitted_weights(kinds, host.free_vcpus, host.free_memory_mib)
         then = _admitted_weights(kinds, host.free_vcpus - req.vcpus, host.free_memory_mib - req.memory_mib)
         before = {g.gpu_id: g.occupancy for g in host.gpus}
+        prices = {g: priced(kinds, o.geometry) for g, o in before.items()} if supply else {}
         # The request's vCPUs and memory may shut tasks out of the whole host, the GPUs it leaves alone included.
-        shift = 0.0 if then == now else \
-            sum(_gpu_fragmentation(o, kinds, then) - _gpu_fragmentation(o, kinds, now) for o in before.values())
+        width = len(host.gpus)
+        shift = 0.0 if then == now else sum(_gpu_fragmentation(o, kinds, then, width) -
+                                            _gpu_fragmentation(o, kinds, now, width) for o in before.values())
         totals: GpuStats | None = None
         gang_now = 0.0
         if any(now[k] or then[k] for k in gang):
@@ -218,7 +269,10 @@ def _host_cost(mix: Mix | None) -> HostCostFn:
             changes = (*draft.items(), (gid, after)) if draft else ((gid, after),)
             delta = shift
             for g, occ in changes:
-                delta += _gpu_fragmentation(occ, kinds, then) - _gpu_fragmentation(before[g], kinds, then)
+                delta += _gpu_fragmentation(occ, kinds, then, width) - \
+                    _gpu_fragmentation(before[g], kinds, then, width)
+                if prices:
+                    delta += prices[g] * (before[g].free_units - occ.free_units) / occ.geometry.axis
             if totals is not None:
                 moves = [(_gpu_stats(before[g], kinds), _gpu_stats(occ, kinds)) for g, occ in changes]
                 delta += _gang_fragmentation(kinds, totals, moves, then) - gang_now
@@ -229,10 +283,13 @@ def _host_cost(mix: Mix | None) -> HostCostFn:
     return price
 
 
-def pack_policy(demand: Demand | None = None) -> Policy:
+def pack_policy(demand: Demand | None = None, supply: Mapping[str, float] | None = None) -> Policy:
     """Fragmentation-aware packing (FGD): the host and position where the host's expected fragmentation against the
-    demand mix grows least, first in host order among equals; no demand: every profile of the host's GPUs alike."""
-    return Policy("pack", _first_fit, "fragmentation-aware packing (default)", _host_cost(_mix(demand)))
+    demand mix grows least, first in host order among equals; no demand: every profile of the host's GPUs alike.
+    With `supply` (GPU model -> GPUs of it), room on a model is also priced by the demand that can run only there
+    against the model's share of the GPUs, so tasks that could run elsewhere leave scarce models' room to it."""
+    return Policy("pack", _first_fit, "fragmentation-aware packing (default)",
+                  _host_cost(_mix(demand), tuple(sorted((supply or {}).items()))))
 
 
 def _mix(demand: Demand | None) -> Mix | None:
@@ -267,10 +324,12 @@ POLICIES: dict[str, Callable[[Demand | None], Policy]] = {
 }
 
 
-def get_policy(name: str, demand: Demand | None = None) -> Policy:
-    """The policy called `name`, configured with a demand mix where it uses one."""
+def get_policy(name: str, demand: Demand | None = None, supply: Mapping[str, float] | None = None) -> Policy:
+    """The policy called `name`, configured with a demand mix (and for pack the GPUs per model) where it uses one."""
     from vgpu_ctl.errors import InvalidInput
 
+    if name == "pack" and supply:
+        return pack_policy(demand, supply)
     try:
         return POLICIES[name](demand)
     except KeyError:
@@ -348,23 +407,50 @@ def plan(req: PlacementRequest, hosts: Iterable[HostView], policy: Policy) -> Pl
 
 
 def explain(req: PlacementRequest, hosts: Sequence[HostView]) -> dict[str, int]:
-    """Counts of why each GPU (or host) could not take the request: the material of a refusal."""
+    """Why each GPU could not take the request, as counts of reason codes that add up to the GPUs considered:
+    the material of a refusal (`describe_refusal` says it in words)."""
     counts: Counter[str] = Counter()
     for host in hosts:
         why_host = host_admits(host, req)
         if why_host is not None:
-            counts[why_host] += len(host.gpus) or 1
+            counts[why_host] += len(host.gpus)
             continue
+        whole = len(req.profiles) == 1 or plan_on_host(host, req, POLICIES["first-fit"](None)) is not None
         for g in host.gpus:
             reasons = {g.occupancy.misfit(p) for p in set(req.profiles)}
             if reasons == {None}:
-                counts["fits-alone"] += 1
+                counts["fits-alone" if whole else "host-too-few-gpus"] += 1
             else:
                 worst = min((r for r in reasons if r is not None), key=_misfit_rank)
                 counts[str(worst)] += 1
-        if len(req.profiles) > 1 and plan_on_host(host, req, POLICIES["first-fit"](None)) is None:
-            counts["host-too-few-gpus"] += 1
     return dict(counts)
+
+
+REFUSAL_WORDS = {
+    "host-draining": "on a cordoned (draining) host",
+    "host-down": "on a host that is down",
+    "labels": "on a host without the labels asked for",
+    "anti-affinity": "on a host already running a VM of the anti-affinity group",
+    "vcpus": "on a host short of vCPUs",
+    "memory": "on a host short of memory",
+    str(Misfit.OTHER_MODE): "whose model or mode does not offer the profile",
+    str(Misfit.OTHER_TYPE): "holding (or pinned to) another vGPU type",
+    str(Misfit.NO_SPACE): "without a free place for it",
+    str(Misfit.MAX_COUNT): "at the most vGPUs of that type they can hold",
+    str(Misfit.COMPUTE): "out of MIG compute slices",
+    str(Misfit.MEDIA): "already holding their one media-extension instance",
+    str(Misfit.LAYOUT): "whose fixed MIG layout has no free slot for it",
+    "host-too-few-gpus": "with room, on a host without room for all the VM's vGPUs",
+    "fits-alone": "with room for it alone",
+}
+
+
+def describe_refusal(counts: Mapping[str, int]) -> str:
+    """A refusal's counts in an admin's words, most first: '3 GPUs on a host short of vCPUs, 1 GPU without a free
+    place for it'."""
+    parts = [f"{n} GPU{'' if n == 1 else 's'} {REFUSAL_WORDS.get(code, code)}"
+             for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if n]
+    return ", ".join(parts) or "no GPUs in the pool"
 
 
 def _misfit_rank(m: Misfit) -> int:
