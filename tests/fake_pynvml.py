@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,27 @@ H100_80GB = GpuModel(
         GiProfile(0x2, 9, "3g.40gb", 3, 4, 2, (0, 4), 40448, 60),
         GiProfile(0x3, 5, "4g.40gb", 4, 4, 1, (0,), 40448, 64),
         GiProfile(0x4, 0, "7g.80gb", 7, 8, 1, (0,), 81152, 132),
+    ),
+)
+
+A100_80GB = GpuModel(
+    name="NVIDIA A100 80GB PCIe", pci_device_id=0x20B5, memory_mib=81920, compute_slices=7, memory_slices=8,
+    max_gis=7, profiles=tuple(
+        GiProfile(p.index, p.id, p.name, p.compute, p.memory, p.max_count, p.starts, p.memory_mib, 14 * p.compute,
+                  p.media) for p in H100_80GB.profiles),
+)
+
+# H200: 1g.18gb id 19 as captured; the rest as the catalog infers them (UNCONFIRMED there too)
+H200 = GpuModel(
+    name="NVIDIA H200", pci_device_id=0x2335, memory_mib=143771, compute_slices=7, memory_slices=8, max_gis=7,
+    profiles=(
+        GiProfile(0x0, 19, "1g.18gb", 1, 1, 7, (0, 1, 2, 3, 4, 5, 6), 16384, 16),
+        GiProfile(0x7, 20, "1g.18gb+me", 1, 1, 1, (0, 1, 2, 3, 4, 5, 6), 16384, 16, media=True),
+        GiProfile(0x9, 15, "1g.35gb", 1, 2, 4, (0, 2, 4, 6), 32768, 26),
+        GiProfile(0x1, 14, "2g.35gb", 2, 2, 3, (0, 2, 4), 32768, 32),
+        GiProfile(0x2, 9, "3g.71gb", 3, 4, 2, (0, 4), 69632, 60),
+        GiProfile(0x3, 5, "4g.71gb", 4, 4, 1, (0,), 69632, 64),
+        GiProfile(0x4, 0, "7g.141gb", 7, 8, 1, (0,), 143360, 132),
     ),
 )
 
@@ -152,9 +174,16 @@ class FakeNvml(types.ModuleType):
         self.driver_loaded = True  # False: nvmlInit fails with DRIVER_NOT_LOADED
         self.init_count = 0
         self.calls: list[str] = []  # names of mutating calls, in order
+        self.on_change: list[Callable[[str], None]] = []  # called with each mutating call, after it
+        self.driver_version = "550.90.05"
         self._next_ci = 1
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def _record(self, call: str) -> None:
+        self.calls.append(call)
+        for hook in self.on_change:
+            hook(call)
+
     def _err(self, code: int) -> Exception:
         err: Exception = _real.NVMLError(code)
         return err
@@ -219,6 +248,10 @@ class FakeNvml(types.ModuleType):
         if not self.driver_loaded:
             raise self._err(_real.NVML_ERROR_DRIVER_NOT_LOADED)
         self.init_count += 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check_init()
+        return self.driver_version
 
     def nvmlShutdown(self) -> None:
         self._check_init()
@@ -333,7 +366,7 @@ class FakeNvml(types.ModuleType):
             raise self._err(_real.NVML_ERROR_INSUFFICIENT_RESOURCES)
         gi_id = next(i for i in range(1, 64) if i not in gpu.gis)
         gi = gpu.gis[gi_id] = FakeGi(gi_id, p, place.start)
-        self.calls.append(f"create_gi {gpu.bus_id} {p.name}@{place.start}")
+        self._record(f"create_gi {gpu.bus_id} {p.name}@{place.start}")
         return self._gi_handle(gpu, gi)
 
     def nvmlDeviceGetGpuInstances(
@@ -365,7 +398,7 @@ class FakeNvml(types.ModuleType):
         if gi.cis or gi.processes:
             raise self._err(_real.NVML_ERROR_IN_USE)
         del gpu.gis[gi.id]
-        self.calls.append(f"destroy_gi {gpu.bus_id} {gi.id}")
+        self._record(f"destroy_gi {gpu.bus_id} {gi.id}")
         return int(_real.NVML_SUCCESS)
 
     # --- compute instances -------------------------------------------------------------------------------
@@ -396,7 +429,7 @@ class FakeNvml(types.ModuleType):
             raise self._err(_real.NVML_ERROR_INSUFFICIENT_RESOURCES)
         ci_id = next(i for i in range(0, 64) if i not in gi.cis)
         ci = gi.cis[ci_id] = FakeCi(ci_id, profileId, slices)
-        self.calls.append(f"create_ci {gpu.bus_id} gi={gi.id} slices={slices}")
+        self._record(f"create_ci {gpu.bus_id} gi={gi.id} slices={slices}")
         return self._ci_handle(gpu, gi, ci)
 
     def nvmlGpuInstanceGetComputeInstances(
@@ -417,5 +450,5 @@ class FakeNvml(types.ModuleType):
         if gi.processes:
             raise self._err(_real.NVML_ERROR_IN_USE)
         del gi.cis[ci.id]
-        self.calls.append(f"destroy_ci gi={gi.id} ci={ci.id}")
+        self._record(f"destroy_ci gi={gi.id} ci={ci.id}")
         return int(_real.NVML_SUCCESS)

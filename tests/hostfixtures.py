@@ -10,7 +10,7 @@ from pathlib import Path
 from lxml import etree
 
 from vgpu_ctl.errors import HostError
-from vgpu_ctl.hosts.nodedev import MdevInfo
+from vgpu_ctl.hosts.nodedev import MdevInfo, MdevParent
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceSpec
 from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress, TemplateRenderer
@@ -86,16 +86,25 @@ FLEET_DEVICES = [
 
 
 class RecordingNodeDevices:
-    """A NodeDeviceApi that records every call and keeps mdevs in memory, as mdevctl would."""
+    """A NodeDeviceApi that records every call and keeps mdevs in memory, as mdevctl would. With `parents`
+    (as libvirt lists the GPUs and VFs offering mdev types), it counts instances as the driver does: a
+    started mdev takes one instance of its type on a GPU, and a whole VF (one vGPU per VF)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parents: Sequence[MdevParent] = (), log: list[str] | None = None) -> None:
         self.calls: list[tuple[str, str]] = []
         self.mdevs: dict[str, MdevInfo] = {}
         self.fail_start = False
+        self.parents = {p.name: MdevParent(p.name, p.gpu, dict(p.types)) for p in parents}
+        self._initial = {p.name: dict(p.types) for p in parents}
+        self.log = log if log is not None else []  # shared with other fakes to check the order across them
+
+    def _call(self, name: str, arg: str) -> None:
+        self.calls.append((name, arg))
+        self.log.append(f"nodedev {name}")
 
     def define(self, xml: str) -> str:
         """Record the XML and define the mdev it describes."""
-        self.calls.append(("define", xml))
+        self._call("define", xml)
         doc = etree.fromstring(xml.encode())
         uuid = doc.findtext("capability/uuid") or ""
         parent = doc.findtext("parent") or ""
@@ -106,29 +115,48 @@ class RecordingNodeDevices:
         return name
 
     def start(self, name: str) -> None:
-        """Record and start."""
-        self.calls.append(("start", name))
+        """Record and start, taking an instance of the type from its parent."""
+        self._call("start", name)
         if self.fail_start:
             raise HostError("start failed")
-        self.mdevs[name] = self.mdevs[name]._replace(active=True)
+        m = self.mdevs[name]
+        p = self.parents.get(m.parent)
+        if p is not None:
+            assert p.types.get(m.type_id, 0) > 0, f"driver would refuse: no {m.type_id} left on {m.parent}"
+            if p.name != PciAddress.parse(p.gpu).nodedev_name:
+                p.types.update(dict.fromkeys(p.types, 0))
+            else:
+                p.types[m.type_id] -= 1
+        self.mdevs[name] = m._replace(active=True)
 
     def set_autostart(self, name: str) -> None:
         """Record."""
-        self.calls.append(("set_autostart", name))
+        self._call("set_autostart", name)
 
     def destroy(self, name: str) -> None:
-        """Record and stop."""
-        self.calls.append(("destroy", name))
-        self.mdevs[name] = self.mdevs[name]._replace(active=False)
+        """Record and stop, giving the instance back."""
+        self._call("destroy", name)
+        m = self.mdevs[name]
+        p = self.parents.get(m.parent)
+        if p is not None and m.active:
+            if p.name != PciAddress.parse(p.gpu).nodedev_name:
+                p.types.update(self._initial[p.name])
+            else:
+                p.types[m.type_id] += 1
+        self.mdevs[name] = m._replace(active=False)
 
     def undefine(self, name: str) -> None:
         """Record and forget."""
-        self.calls.append(("undefine", name))
+        self._call("undefine", name)
         del self.mdevs[name]
 
     def list_mdevs(self) -> list[MdevInfo]:
         """The mdevs defined so far (not recorded: it changes nothing)."""
         return list(self.mdevs.values())
+
+    def mdev_parents(self) -> list[MdevParent]:
+        """The parents with what each can still create (not recorded: it changes nothing)."""
+        return [MdevParent(p.name, p.gpu, dict(p.types)) for p in sorted(self.parents.values())]
 
     def names(self) -> list[str]:
         """The recorded call names, in order."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import libvirt
@@ -10,6 +10,8 @@ import yaml
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
 from vgpu_ctl.catalog.schema import GpuModelSpec
+from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.hosts.hostside import HostFacts, HostSide
 from vgpu_ctl.hosts.nodedev import libvirt_errors, open_libvirt, parse_mdev
 from vgpu_ctl.render import PciAddress, parse_xml
 
@@ -40,6 +42,10 @@ class DiscoveredGpu:
     product_id: str
     mode: str  # guess: vgpu-equal when it offers mdev types, else passthrough
     types: dict[str, str] = field(default_factory=dict)  # type name (catalog's if matched) -> mdev type id
+    vfio_types: dict[str, int] = field(default_factory=dict)  # catalog vGPU type -> vendor-VFIO type id
+    mig_profiles: dict[str, int] = field(default_factory=dict)  # catalog MIG profile -> NVML profile id
+    mig_current: bool | None = None  # MIG mode from NVML (None: no MIG, or NVML not reachable)
+    nvml_seen: bool = False  # the host side (NVML) was asked and saw this GPU
 
 
 @dataclass
@@ -52,6 +58,8 @@ class Discovery:
     memory_mib: int
     gpus: list[DiscoveredGpu] = field(default_factory=list)
     mismatches: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the host side could not read (NVML, sysfs)
+    driver_version: str | None = None  # NVIDIA host driver, when NVML answered
 
     def to_inventory(self) -> dict[str, Any]:
         """The host as an inventory document (GPUs of unknown models are left out; see mismatches)."""
@@ -146,8 +154,9 @@ def _check_gpu(dev: _PciDevice, catalog: Catalog, has_mdevs: bool,
     return DiscoveredGpu(dev.pci, model.model, dev.product_id, mode, types)
 
 
-def discover_host(uri: str, catalog: Catalog, name: str | None = None) -> Discovery:
-    """Connect to `uri` and describe its NVIDIA GPUs and vGPU types against the catalog."""
+def discover_host(uri: str, catalog: Catalog, name: str | None = None, side: HostSide | None = None) -> Discovery:
+    """Connect to `uri` and describe its NVIDIA GPUs and vGPU types against the catalog; with the host's `side`,
+    also the vendor-VFIO type ids and NVML's MIG profile ids and MIG mode."""
     conn = open_libvirt(uri, name or uri)
     try:
         with libvirt_errors(name or uri, "discovering devices"):
@@ -169,4 +178,34 @@ def discover_host(uri: str, catalog: Catalog, name: str | None = None) -> Discov
     for dev in sorted(physical.values(), key=lambda d: d.pci):
         has_mdevs = PciAddress.parse(dev.pci).nodedev_name in parents
         discovery.gpus.append(_check_gpu(dev, catalog, has_mdevs, discovery.mismatches))
+    if side is not None:
+        try:
+            facts = side.facts([g.pci for g in discovery.gpus])
+        except VgpuCtlError as exc:
+            discovery.notes.append(f"host side: {exc.message}")
+        else:
+            _add_facts(discovery, catalog, facts)
     return discovery
+
+
+def _add_facts(discovery: Discovery, catalog: Catalog, facts: HostFacts) -> None:
+    """Fill the GPUs' vendor-VFIO and MIG ids from the host side's facts, named as the catalog names them."""
+    discovery.notes.extend(facts.notes)
+    discovery.driver_version = facts.driver_version
+    for i, g in enumerate(discovery.gpus):
+        f = facts.gpus.get(g.pci)
+        if f is None or g.model is None:
+            continue
+        model = catalog.models[g.model]
+        vfio = {}
+        for type_name, type_id in f.vfio_types.items():
+            profile = match_type(type_name, model, catalog)
+            vfio[profile or type_name] = type_id
+        mig_names = {p.name for p in catalog.profiles(g.model) if p.kind is ProfileKind.MIG}
+        mig = {n: i for n, i in f.mig_profiles.items() if n in mig_names}
+        for n in sorted(set(f.mig_profiles) - mig_names):
+            discovery.mismatches.append({"gpu": g.pci, "kind": "unknown-mig-profile",
+                                         "detail": f"{g.model} has no MIG profile {n} in the catalog"})
+        mode = "mig" if f.mig_current else g.mode
+        discovery.gpus[i] = replace(g, vfio_types=vfio, mig_profiles=mig, mig_current=f.mig_current,
+                                    nvml_seen=f.nvml_seen, mode=mode)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import libvirt
@@ -64,11 +65,43 @@ class LibvirtHost:
         return next((m for m in self._mdevs().list_mdevs() if m.uuid == uuid), None)
 
     def create_device(self, spec: DeviceSpec) -> DeviceHandle:
-        """Make the device exist (idempotent: an existing one with this uuid is returned)."""
+        """Make the device exist (idempotent: an existing one with this uuid is returned). A MIG-backed vGPU
+        gets its GPU instance first, then its mdev or VF type on it."""
         if spec.backing is DeviceBacking.PCI:
             return DeviceHandle(DeviceBacking.PCI, pci_address=spec.gpu_pci)
-        if spec.backing is not DeviceBacking.MDEV:
-            return self._backend(spec.backing).create(spec)
+        if spec.backing is DeviceBacking.MIG:
+            return self._backend(DeviceBacking.MIG).create(spec)
+        gi = None
+        if spec.mig_backed:
+            gi = self._backend(DeviceBacking.MIG).create(replace(spec, backing=DeviceBacking.MIG)).gpu_instance_id
+        try:
+            if spec.backing is DeviceBacking.VFIO_VF:
+                handle = self._backend(DeviceBacking.VFIO_VF).create(spec)
+            else:
+                handle = self._create_mdev(spec)
+        except Exception:
+            if spec.mig_backed:
+                self._backend(DeviceBacking.MIG).remove(replace(spec, backing=DeviceBacking.MIG))
+            raise
+        return handle if gi is None else replace(handle, gpu_instance_id=gi)
+
+    def _parent(self, spec: DeviceSpec, type_id: str) -> str:
+        """The node device to create the mdev under: the GPU itself, or a VF of it that can still take the
+        type (SR-IOV GPUs)."""
+        gpu = PciAddress.parse(spec.gpu_pci)
+        parents = [p for p in self._mdevs().mdev_parents() if p.gpu == str(gpu)]
+        if not parents:
+            return gpu.nodedev_name
+        free = [p for p in parents if p.types.get(type_id, 0) > 0]
+        if not free:
+            offered = sorted({t for p in parents for t in p.types})
+            raise HostError(f"host {self.name}: no device of GPU {gpu} can take an mdev of type {type_id} "
+                            f"({spec.profile}) now: {len(parents)} offer mdev types, none has an instance "
+                            f"of it left (types offered: {', '.join(offered) or 'none'})",
+                            reasons=[{"host": self.name, "gpu": str(gpu), "mdev_type": type_id}])
+        return free[0].name
+
+    def _create_mdev(self, spec: DeviceSpec) -> DeviceHandle:
         api = self._mdevs()
         existing = self._find_mdev(spec.uuid)
         if existing is not None:
@@ -80,32 +113,38 @@ class LibvirtHost:
             return DeviceHandle(DeviceBacking.MDEV, uuid=spec.uuid)
         if spec.mdev_type is None:
             raise HostError(f"host {self.name}: the mdev type id of {spec.profile} on GPU {spec.gpu_pci} "
-                            "is unknown on this host", reasons=[{"host": self.name, "profile": spec.profile}])
+                            "is unknown on this host: discovery did not find the type there (see the "
+                            "findings of `vgpuctl inventory apply` or `vgpuctl host discover`)",
+                            reasons=[{"host": self.name, "profile": spec.profile}])
         attrs = [] if spec.placement_id is None else [(PLACEMENT_ATTR, str(spec.placement_id))]
-        xml = self._renderer.render_mdev(PciAddress.parse(spec.gpu_pci).nodedev_name, spec.mdev_type,
-                                         spec.uuid, attrs)
+        xml = self._renderer.render_mdev(self._parent(spec, spec.mdev_type), spec.mdev_type, spec.uuid, attrs)
         name = api.define(xml)
         try:
             api.start(name)
         except HostError:
             api.undefine(name)
             raise
-        api.set_autostart(name)
+        if not spec.mig_backed:  # NVIDIA: the mdev of a MIG-backed vGPU can't be made persistent
+            api.set_autostart(name)
         return DeviceHandle(DeviceBacking.MDEV, uuid=spec.uuid)
 
     def remove_device(self, spec: DeviceSpec) -> None:
-        """Remove the device (idempotent: absent is fine)."""
+        """Remove the device (idempotent: absent is fine); a MIG-backed vGPU's GPU instance after it."""
         if spec.backing is DeviceBacking.PCI:
             return
-        if spec.backing is not DeviceBacking.MDEV:
-            self._backend(spec.backing).remove(spec)
+        if spec.backing is DeviceBacking.MIG:
+            self._backend(DeviceBacking.MIG).remove(spec)
             return
-        existing = self._find_mdev(spec.uuid)
-        if existing is None:
-            return
-        if existing.active:
-            self._mdevs().destroy(existing.name)
-        self._mdevs().undefine(existing.name)
+        if spec.backing is DeviceBacking.VFIO_VF:
+            self._backend(DeviceBacking.VFIO_VF).remove(spec)
+        else:
+            existing = self._find_mdev(spec.uuid)
+            if existing is not None:
+                if existing.active:
+                    self._mdevs().destroy(existing.name)
+                self._mdevs().undefine(existing.name)
+        if spec.mig_backed:
+            self._backend(DeviceBacking.MIG).remove(replace(spec, backing=DeviceBacking.MIG))
 
     def list_devices(self) -> list[HostDevice]:
         """Mdevs libvirt knows, then the devices of each configured backend."""

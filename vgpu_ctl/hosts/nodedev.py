@@ -23,6 +23,14 @@ class MdevInfo(NamedTuple):
     active: bool
 
 
+class MdevParent(NamedTuple):
+    """A PCI device that offers mdev types: a GPU (legacy vGPU) or one of its SR-IOV virtual functions."""
+
+    name: str  # node-device name, e.g. pci_0000_41_00_4
+    gpu: str  # PCI address of the physical GPU ("0000:41:00.0"; its own address for a GPU)
+    types: dict[str, int]  # mdev type id -> instances still creatable on this device
+
+
 class NodeDeviceApi(Protocol):
     """The lifecycle of persistent mdevs, as libvirt's node-device API offers it."""
 
@@ -48,6 +56,10 @@ class NodeDeviceApi(Protocol):
 
     def list_mdevs(self) -> list[MdevInfo]:
         """Every mdev libvirt knows, active or only defined."""
+        ...
+
+    def mdev_parents(self) -> list[MdevParent]:
+        """Every device that offers mdev types, with what each can still create."""
         ...
 
 
@@ -149,6 +161,34 @@ class LibvirtNodeDeviceApi:
         with libvirt_errors(self.host, "listing mdevs"):
             devices = self.conn.listAllDevices(libvirt.VIR_CONNECT_LIST_NODE_DEVICES_CAP_MDEV)
             return [parse_mdev(d.XMLDesc(0), _is_active(d)) for d in devices]
+
+    def mdev_parents(self) -> list[MdevParent]:
+        """Every PCI device that offers mdev types, as libvirt reports it now."""
+        with libvirt_errors(self.host, "listing mdev parents"):
+            devices = self.conn.listAllDevices(libvirt.VIR_CONNECT_LIST_NODE_DEVICES_CAP_MDEV_TYPES)
+            found = (parse_mdev_parent(d.XMLDesc(0)) for d in devices)
+            return sorted((p for p in found if p is not None), key=lambda p: p.name)
+
+
+def _address(el: Any) -> str:
+    """The PCI address "dddd:bb:ss.f" of an element holding domain/bus/slot/function (as children or attributes)."""
+    def num(key: str) -> int:
+        text = (el.get(key) if el.get(key) is not None else el.findtext(key)) or "0"
+        text = text.strip()
+        return int(text, 16) if text.lower().startswith("0x") else int(text)
+    return f"{num('domain'):04x}:{num('bus'):02x}:{num('slot'):02x}.{num('function'):x}"
+
+
+def parse_mdev_parent(xml: str) -> MdevParent | None:
+    """The MdevParent described by a PCI node device's XML (None if it offers no mdev types)."""
+    doc = etree.fromstring(xml.encode(), etree.XMLParser(resolve_entities=False, no_network=True))
+    cap = doc.find("capability[@type='pci']")
+    if cap is None or cap.find("capability[@type='mdev_types']") is None:
+        return None
+    pf = cap.find("capability[@type='phys_function']/address")
+    types = {t.get("id", ""): int((t.findtext("availableInstances") or "0").strip())
+             for t in cap.iterfind("capability[@type='mdev_types']/type")}
+    return MdevParent(doc.findtext("name", ""), _address(pf if pf is not None else cap), types)
 
 
 def _is_active(dev: Any) -> bool:

@@ -6,9 +6,14 @@ MIG mode itself is never changed here: an admin enables it (it may reset the GPU
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import json
+import os
 import re
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from types import ModuleType
 from typing import Any, TypedDict
 
@@ -71,7 +76,8 @@ def _text(value: str | bytes) -> str:
 class NvmlMig:
     """MIG GPU instances on this host's GPUs, through an NVML binding (the `pynvml` module by default)."""
 
-    def __init__(self, nvml: ModuleType | Any = None) -> None:
+    def __init__(self, nvml: ModuleType | Any = None, state_file: Path | None = None) -> None:
+        self.state_file = state_file  # which controller device each GPU instance is (uuid -> gpu, profile, start)
         if nvml is None:
             import pynvml
 
@@ -102,6 +108,11 @@ class NvmlMig:
                     mig_current=mig[0], mig_pending=mig[1],
                 ))
         return out
+
+    def driver_version(self) -> str:
+        """The NVIDIA host driver's version, as NVML reports it."""
+        with self._session("this host", "read the driver version"):
+            return _text(self._nvml.nvmlSystemGetDriverVersion())
 
     def gi_profiles(self, gpu_pci: str) -> list[GiProfileInfo]:
         """The GPU-instance profiles the GPU offers, with their allowed placements (MIG mode not required)."""
@@ -148,12 +159,16 @@ class NvmlMig:
         with self._session(gpu, f"create MIG instance for device {spec.device_id}"):
             h = self._device(gpu)
             self._require_mig(h, gpu)
-            for gi, info in self._gis(h):
-                if info["profile_id"] == profile_id and info["start"] == spec.start:
-                    if not self._cis(gi):
-                        self._create_full_ci(gi, self._slices(h, profile_id))
-                    return DeviceHandle(backing=DeviceBacking.MIG, gpu_instance_id=info["id"])
-            gi_id = self._create_gi(h, gpu, profile_id, spec.start)
+            found = next((info["id"] for gi, info in self._gis(h)
+                          if info["profile_id"] == profile_id and info["start"] == spec.start), None)
+            if found is not None:
+                gi = next(g for g, info in self._gis(h) if info["id"] == found)
+                if not self._cis(gi):
+                    self._create_full_ci(gi, self._slices(h, profile_id))
+                gi_id = found
+            else:
+                gi_id = self._create_gi(h, gpu, profile_id, spec.start)
+        self._remember(spec.uuid, {"gpu": gpu, "profile_id": profile_id, "start": spec.start})
         return DeviceHandle(backing=DeviceBacking.MIG, gpu_instance_id=gi_id)
 
     def remove(self, spec: DeviceSpec) -> None:
@@ -162,15 +177,48 @@ class NvmlMig:
         gpu = normalize_bus_id(spec.gpu_pci)
         with self._session(gpu, f"remove MIG instance of device {spec.device_id}"):
             h = self._device(gpu)
-            if not self._mig_enabled(h):
-                return
-            for gi, info in self._gis(h):
-                if info["profile_id"] == profile_id and info["start"] == spec.start:
-                    self._destroy(gi)
+            if self._mig_enabled(h):
+                for gi, info in self._gis(h):
+                    if info["profile_id"] == profile_id and info["start"] == spec.start:
+                        self._destroy(gi)
+        self._remember(spec.uuid, None)
+
+    def _state(self) -> dict[str, Any]:
+        if self.state_file is None:
+            return {}
+        try:
+            data = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise HostError(f"cannot read the MIG state file {self.state_file}: {exc}") from None
+        return dict(data) if isinstance(data, dict) else {}
+
+    def _remember(self, uuid: str, entry: dict[str, Any] | None) -> None:
+        """Record (or with None forget) which GPU instance the controller's device `uuid` is."""
+        if self.state_file is None:
+            return
+        try:
+            self.state_file.parent.mkdir(parents=True, exist_ok=True)
+            with self.state_file.with_name(self.state_file.name + ".lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                state = self._state()
+                if entry is None:
+                    state.pop(uuid, None)
+                else:
+                    state[uuid] = entry
+                fd, tmp = tempfile.mkstemp(dir=self.state_file.parent, prefix=self.state_file.name + ".")
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(state, fh, indent=2, sort_keys=True)
+                os.replace(tmp, self.state_file)
+        except OSError as exc:
+            raise HostError(f"cannot write the MIG state file {self.state_file}: {exc.strerror or exc}") from None
 
     def list_devices(self) -> list[HostDevice]:
-        """Every GPU instance on every MIG-enabled GPU of the host, with its profile name."""
+        """Every GPU instance on every MIG-enabled GPU of the host, with its profile name and the controller's
+        uuid where this backend made it."""
         out: list[HostDevice] = []
+        uuids = {(e["gpu"], e["profile_id"], e["start"]): u for u, e in self._state().items()}
         for g in self.gpus():
             if not g["mig_current"]:
                 continue
@@ -180,7 +228,8 @@ class NvmlMig:
                 names = {p["id"]: p["name"] for p in self._profiles(h)}
                 out.extend(
                     HostDevice(backing=DeviceBacking.MIG, gpu_pci=gpu, gpu_instance_id=info["id"],
-                               profile=names.get(info["profile_id"]))
+                               profile=names.get(info["profile_id"]),
+                               uuid=uuids.get((gpu, info["profile_id"], info["start"])))
                     for _gi, info in self._gis(h)
                 )
         return out

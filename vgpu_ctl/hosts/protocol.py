@@ -28,8 +28,14 @@ class DeviceSpec:
     size: int
     uuid: str  # mdev UUID (also used as a stable id for other backings)
     mdev_type: str | None = None  # "nvidia-558": the host's type id for `profile`, when known
+    vfio_type_id: int | None = None  # vendor-VFIO type id for `profile` (`creatable_vgpu_types`), when known
     mig_profile_id: int | None = None  # NVML GI profile id for MIG and MIG-backed vGPUs
     placement_id: int | None = None  # mixed-size vGPU placement id
+
+    @property
+    def mig_backed(self) -> bool:
+        """A MIG-backed vGPU: a GPU instance first, then an mdev or a VF type on it."""
+        return self.backing in (DeviceBacking.MDEV, DeviceBacking.VFIO_VF) and self.mig_profile_id is not None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,16 @@ def _type_name(name: str) -> str:
     return name.strip().removeprefix("NVIDIA ").strip()
 
 
+def _same_type(want: str, types: Mapping[str, int]) -> int | None:
+    """The id of type `want` among a VF's types: by name, else by the name after the board prefix (the types of
+    one GPU share its board's prefix: the catalog's H200-1-18C is H200X-1-18C on an SXM board)."""
+    if want in types:
+        return types[want]
+    rest = want.partition("-")[2]
+    found = [i for name, i in types.items() if rest and name.partition("-")[2] == rest]
+    return found[0] if len(found) == 1 else None
+
+
 class VfioSysfs:
     """Vendor-specific VFIO vGPUs of the GPUs under a sysfs root; device→VF mapping kept in `state_file`."""
 
@@ -72,6 +82,10 @@ class VfioSysfs:
         except ValueError:
             raise HostError(f"VF {vf}: unexpected content {text!r} in "
                             f"{self._devices / vf / 'nvidia' / 'current_vgpu_type'}") from None
+
+    def known_types(self) -> dict[str, str]:
+        """Type ids seen on this host's VFs so far (id -> name), also those no longer creatable now."""
+        return dict(self._load()["types"])
 
     def list_devices(self) -> list[HostDevice]:
         """Every VF on the host that holds a vGPU, with the controller's uuid and type name when known."""
@@ -123,16 +137,25 @@ class VfioSysfs:
             for vf in free:
                 types = self.creatable_types(vf)
                 seen.update(types)
-                if want in types:
-                    self._write(gpu, vf, "current_vgpu_type", f"{types[want]}\n")
+                names = {i: name for name, i in types.items()}
+                # the id discovery stored wins: the host may name the type with another board prefix
+                type_id = spec.vfio_type_id if spec.vfio_type_id is not None else _same_type(want, types)
+                if type_id is not None and type_id in names:
+                    self._write(gpu, vf, "current_vgpu_type", f"{type_id}\n")
                     state["types"].update({str(i): name for name, i in seen.items()})
-                    state["devices"][spec.uuid] = {"vf": vf, "gpu": gpu, "type_id": types[want],
-                                                   "profile": want}
+                    state["devices"][spec.uuid] = {"vf": vf, "gpu": gpu, "type_id": type_id,
+                                                   "profile": names[type_id]}
                     self._save(state)
                     return DeviceHandle(backing=DeviceBacking.VFIO_VF, uuid=spec.uuid, pci_address=vf)
             listed = ", ".join(f"{name} ({i})" for name, i in sorted(seen.items()))
             listed = listed or "none (the GPU is full)"
-            raise HostError(f"vGPU type {want} is not creatable on GPU {gpu} now; creatable: {listed}",
+            wanted, hint = want, ""
+            if spec.vfio_type_id is not None:
+                wanted = f"{want} (id {spec.vfio_type_id}, as discovered)"
+                if _same_type(want, seen) not in (None, spec.vfio_type_id):
+                    hint = ("; the host driver now gives the type another id: discover the host again "
+                            "(vgpuctl inventory apply)")
+            raise HostError(f"vGPU type {wanted} is not creatable on GPU {gpu} now; creatable: {listed}{hint}",
                             reasons=[{"gpu": gpu, "profile": want, "creatable": sorted(seen)}])
 
     def remove(self, spec: DeviceSpec) -> None:

@@ -215,10 +215,13 @@ class Controller:
                           progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
         """Make the store match a parsed inventory; the changes (none made with dry_run)."""
         self._admin("inventory apply")
+        from vgpu_ctl.service.host_types import discover_hosts, record_all
+        found = discover_hosts(self, inv.hosts)  # libvirt hosts: what each calls each profile (no lock held)
         with self.write_turn(), self.engine.connect() as conn:
             trans = conn.begin()
             try:
                 changes = apply_inventory(conn, self.catalog, inv, progress)
+                changes += record_all(conn, self.catalog, found)
                 if dry_run:
                     trans.rollback()
                 else:

@@ -40,21 +40,33 @@ def _set_state(conn: Connection, vm_id: str, state: str, **values: Any) -> None:
 def _load(ctl: Controller, conn: Connection, vm_id: str) -> tuple[Any, Any, list[Any]]:
     vm = conn.execute(select(VM).where(VM.c.id == vm_id)).one()
     host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).one()
-    devs = conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model)
+    devs = conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model,
+                               alloc.GPU.c.mode.label("gpu_mode"))
                         .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
                         .where(alloc.DEVICE.c.vm_id == vm_id).order_by(alloc.DEVICE.c.id)).all()
     return vm, host, list(devs)
 
 
 def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
-    """What the host needs to create a claimed device."""
+    """What the host needs to create a claimed device, with the ids the host's discovery recorded for its GPU
+    (mdev type, vendor-VFIO type, MIG profile; the catalog's MIG profile id where none was recorded)."""
+    from vgpu_ctl.service.host_types import stored_ids
+
+    with ctl.engine.connect() as conn:
+        ids = stored_ids(conn, dev.gpu_id)
     profile = ctl.catalog.profile(dev.model, dev.profile)
-    mig_id = profile.profile_id if profile is not None and profile.kind in (ProfileKind.MIG,
-                                                                             ProfileKind.MIG_VGPU) else None
-    mixed = profile is not None and profile.mixed_placement_ids is not None and dev.start in \
-        (profile.mixed_placement_ids or ()) and profile.kind is ProfileKind.VGPU
+    kind = profile.kind if profile is not None else None
+    mig_id = None
+    if profile is not None and kind in (ProfileKind.MIG, ProfileKind.MIG_VGPU):
+        gi_name = profile.name if kind is ProfileKind.MIG else profile.mig_profile
+        found = ids["mig"].get(gi_name or "")
+        mig_id = int(found) if found is not None else profile.profile_id
+    mixed = profile is not None and kind is ProfileKind.VGPU and dev.start in (profile.mixed_placement_ids or ()) \
+        and dev.gpu_mode == "vgpu-mixed"
+    vfio = ids["vfio"].get(dev.profile)
     return DeviceSpec(device_id=dev.id, gpu_pci=dev.pci_address, backing=DeviceBacking(dev.backing),
                       profile=dev.profile, start=dev.start, size=dev.size, uuid=dev.uuid,
+                      mdev_type=ids["mdev"].get(dev.profile), vfio_type_id=int(vfio) if vfio is not None else None,
                       mig_profile_id=mig_id, placement_id=dev.start if mixed else None)
 
 

@@ -70,7 +70,8 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
     with ctl.engine.connect() as conn:
         hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
         vms = conn.execute(select(VM)).all()
-        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id)).all()
+        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id)
+                               .where(alloc.DEVICE.c.backing != "pci")).all()  # passthrough: nothing to lose
     store_uuids = {d.uuid: d.vm_id for d in devices}
     vm_ids = {v.id for v in vms}
     for host in hosts:

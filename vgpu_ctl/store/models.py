@@ -208,3 +208,21 @@ class Meta(SQLModel, table=True):
 
     key: str = Field(primary_key=True)
     value: str
+
+
+class GpuTypeId(SQLModel, table=True):
+    """What a host calls a profile on one of its GPUs, as discovery found it: the mdev type id (`nvidia-558`),
+    the vendor-VFIO type id (`1428`) or the NVML GPU-instance profile id (`9`). Gone with its GPU."""
+
+    __tablename__ = "gpu_type_id"
+    __table_args__ = (
+        UniqueConstraint("gpu_id", "kind", "profile", name="gpu_type_id_unique"),
+        CheckConstraint("kind IN ('mdev', 'vfio', 'mig')", name="gpu_type_id_kind_known"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    gpu_id: int = Field(foreign_key="gpu.id", ondelete="CASCADE")
+    kind: str
+    profile: str
+    type_id: str
+    seen_at: datetime = Field(default_factory=utcnow)

@@ -1,0 +1,336 @@
+"""Every backing through the whole path: Controller -> host agent transport -> libvirt/NVML/sysfs drivers.
+
+Two declared libvirt hosts run on libvirt's test driver, their NVIDIA side emulated: node devices shaped as
+libvirt reports NVIDIA GPUs and VFs (mdev_types with name and availableInstances), node-device calls recorded
+(libvirt's test driver cannot define mdevs), a fake NVML that follows NVIDIA's MIG rules, and a fake vendor-VFIO
+sysfs tree. `inventory apply` discovers what each host calls each profile; each VM then gets exactly the device
+asked for, and releasing it leaves the host as it was.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lxml import etree
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+from fake_pynvml import A100_80GB, H100_80GB, H200, L40S, FakeGpu, FakeNvml  # noqa: E402
+from fake_sysfs import FakeVfioSysfs  # noqa: E402
+from hostfixtures import RecordingNodeDevices, pci_device, write_node_file  # noqa: E402
+
+from vgpu_ctl import Controller  # noqa: E402
+from vgpu_ctl.errors import HostError  # noqa: E402
+from vgpu_ctl.hosts.agent import AgentHostSide, InProcessTransport  # noqa: E402
+from vgpu_ctl.hosts.hostside import LocalHostSide  # noqa: E402
+from vgpu_ctl.hosts.nodedev import parse_mdev_parent  # noqa: E402
+from vgpu_ctl.service.hosts import HostFactory  # noqa: E402
+
+# kvm1 (mdev): A100 80GB legacy-style equal-size at 41 and mixed-size at 42, H100 in MIG mode at 43 whose VF
+# 43:00.4 offers the MIG-backed type, L40S for passthrough at 44.
+KVM1_DEVICES = [
+    pci_device(0x41, "0x20b5", [("nvidia-558", "NVIDIA A100D-10C", 8), ("nvidia-560", "NVIDIA A100D-40C", 2)]),
+    pci_device(0x42, "0x20b5", [("nvidia-559", "NVIDIA A100D-20C", 4), ("nvidia-558", "NVIDIA A100D-10C", 8)]),
+    pci_device(0x43, "0x2330"),
+    pci_device(0x43, "0x2330", [("nvidia-700", "NVIDIA H100-3-40C", 1)], function=4, physical_function=0x43),
+    pci_device(0x43, "0x2330", [("nvidia-700", "NVIDIA H100-3-40C", 1)], function=5, physical_function=0x43),
+    pci_device(0x44, "0x26b9"),
+]
+# kvm2 (vendor-specific VFIO): two H200 GPUs, time-sliced at 41, MIG at 42; no mdev types at all.
+KVM2_DEVICES = [pci_device(0x41, "0x2335"), pci_device(0x42, "0x2335")]
+
+INVENTORY = """\
+pools:
+  - {name: eq}
+  - {name: mixed}
+  - {name: mig}
+  - {name: migmdev}
+  - {name: pt}
+  - {name: vf}
+  - {name: migvf}
+hosts:
+  - name: kvm1
+    uri: "%(kvm1)s"
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {pci: "0000:41:00.0", model: A100-80GB, mode: vgpu-equal, pool: eq}
+      - {pci: "0000:42:00.0", model: A100-80GB, mode: vgpu-mixed, pool: mixed}
+      - {pci: "0000:43:00.0", model: H100-80GB, mode: mig, pool: mig}
+      - {pci: "0000:44:00.0", model: L40S, mode: passthrough, pool: pt}
+  - name: kvm2
+    uri: "%(kvm2)s"
+    vgpu_backing: vfio
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {pci: "0000:41:00.0", model: H200, mode: vgpu-equal, pool: vf}
+      - {pci: "0000:42:00.0", model: H200, mode: mig, pool: migvf}
+"""
+
+
+class Fleet:
+    """The two hosts' emulated NVIDIA side and a Controller whose HostFactory reaches them through the
+    agent's protocol."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.log: list[str] = []  # node-device, NVML and sysfs changes of both hosts, in order
+        self.kvm1_uri = write_node_file(tmp / "kvm1.xml", KVM1_DEVICES)
+        self.kvm2_uri = write_node_file(tmp / "kvm2.xml", KVM2_DEVICES)
+        parents = [p for p in map(parse_mdev_parent, (d.strip() for d in KVM1_DEVICES)) if p is not None]
+        self.nodedev = RecordingNodeDevices(parents, self.log)
+        self.nvml = {
+            "kvm1": FakeNvml([FakeGpu(A100_80GB, "00000000:41:00.0", "GPU-a", 0, 0),
+                              FakeGpu(A100_80GB, "00000000:42:00.0", "GPU-b", 0, 0),
+                              FakeGpu(H100_80GB, "00000000:43:00.0", "GPU-c"),
+                              FakeGpu(L40S, "00000000:44:00.0", "GPU-d")]),
+            "kvm2": FakeNvml([FakeGpu(H200, "00000000:41:00.0", "GPU-e", 0, 0),
+                              FakeGpu(H200, "00000000:42:00.0", "GPU-f")]),
+        }
+        for name, n in self.nvml.items():
+            n.on_change.append(lambda call, name=name: self.log.append(f"nvml {name} {call}"))
+        self.sysfs_root = tmp / "kvm2-sys"
+        self.sysfs = {pf: FakeVfioSysfs(self.sysfs_root, pf, num_vfs=2, nvml=self.nvml["kvm2"])
+                      for pf in ("0000:41:00.0", "0000:42:00.0")}
+        self.sides = {
+            "kvm1": LocalHostSide(tmp / "agent-kvm1", tmp / "kvm1-sys", self.nvml["kvm1"]),
+            "kvm2": LocalHostSide(tmp / "agent-kvm2", self.sysfs_root, self.nvml["kvm2"]),
+        }
+        factory = HostFactory(tmp / "state", sides=lambda h: AgentHostSide(h.name, InProcessTransport(
+            self.sides[h.name])), nodedevs=lambda h: self.nodedev)
+        self.ctl = Controller(f"sqlite:///{tmp / 'store.db'}", state_path=tmp / "state", host_factory=factory)
+        self.inventory = tmp / "inventory.yaml"
+        self.inventory.write_text(INVENTORY % {"kvm1": self.kvm1_uri, "kvm2": self.kvm2_uri})
+
+    def vf_types(self) -> dict[str, int]:
+        """current_vgpu_type of every VF of kvm2."""
+        out: dict[str, int] = {}
+        for s in self.sysfs.values():
+            out.update(s.current())
+        return out
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    f.changes = f.ctl.apply_inventory(f.inventory)  # type: ignore[attr-defined]
+    f.ctl.create_tenant("acme")
+    f.log.clear()
+    yield f
+    f.ctl.close()
+
+
+def _vm(fleet: Fleet, name: str, profile: str, pool: str) -> Any:
+    vm = fleet.ctl.request_vm("acme", name, [(profile, 1)], vcpus=2, memory_mib=4096, pool=pool)
+    assert vm.state == "running", vm.error
+    return vm
+
+
+def _hostdevs(fleet: Fleet, vm: Any) -> list[str]:
+    """The hostdev elements of the VM's domain as libvirt stored it, without whitespace."""
+    doc = etree.fromstring(fleet.ctl.vm_xml(vm.id).encode())
+    out = []
+    for h in doc.iterfind("devices/hostdev"):
+        for el in h.iter():
+            el.tail = el.text = None if el.text is None or not el.text.strip() else el.text
+        out.append(etree.tostring(h, encoding=str).replace("\n", ""))
+    return out
+
+
+def _mdev_xml(parent: str, type_id: str, uuid: str, attrs: str = "") -> str:
+    return (f"<device>\n  <parent>{parent}</parent>\n  <capability type='mdev'>\n    <type id='{type_id}'/>\n"
+            f"    <uuid>{uuid}</uuid>{attrs}\n  </capability>\n</device>\n")
+
+
+# -- discovery feeds the store ---------------------------------------------------------------------------------
+
+def test_apply_records_what_each_host_calls_each_profile(fleet: Fleet) -> None:
+    from sqlalchemy import select
+
+    from vgpu_ctl.service.allocation import GPU, HOST
+    from vgpu_ctl.service.host_types import stored_ids
+    with fleet.ctl.engine.connect() as conn:
+        rows = conn.execute(select(HOST.c.name, GPU.c.pci_address, GPU.c.id).join(HOST, HOST.c.id == GPU.c.host_id)
+                            .order_by(HOST.c.name, GPU.c.pci_address)).all()
+        ids = {f"{r.name}/{r.pci_address}": stored_ids(conn, r.id) for r in rows}
+    assert ids["kvm1/0000:41:00.0"]["mdev"] == {"A100D-10C": "nvidia-558", "A100D-40C": "nvidia-560"}
+    assert ids["kvm1/0000:42:00.0"]["mdev"] == {"A100D-20C": "nvidia-559", "A100D-10C": "nvidia-558"}
+    # the VFs' MIG-backed type, and NVML's GPU-instance profiles of the H100 (all seven)
+    assert ids["kvm1/0000:43:00.0"]["mdev"] == {"H100-3-40C": "nvidia-700"}
+    assert ids["kvm1/0000:43:00.0"]["mig"]["3g.40gb"] == "9" and len(ids["kvm1/0000:43:00.0"]["mig"]) == 7
+    # vendor VFIO: the host names the types H200X-..., the catalog H200-...; ids come from creatable_vgpu_types
+    assert ids["kvm2/0000:41:00.0"]["vfio"] == {"H200-141C": "1428", "H200-70C": "1427", "H200-35C": "1425"}
+    assert ids["kvm2/0000:42:00.0"]["vfio"] == {} and ids["kvm2/0000:42:00.0"]["mig"]["1g.18gb"] == "19"
+    recorded = {c["name"] for c in fleet.changes if c["action"] == "record"}  # type: ignore[attr-defined]
+    assert recorded == {"kvm1/0000:41:00.0", "kvm1/0000:42:00.0", "kvm1/0000:43:00.0", "kvm2/0000:41:00.0",
+                        "kvm2/0000:42:00.0"}
+    # applying again changes nothing it recorded
+    again = fleet.ctl.apply_inventory(fleet.inventory)
+    assert not [c for c in again if c["action"] == "record"]
+
+
+def test_missing_types_are_findings_with_what_to_do(fleet: Fleet) -> None:
+    findings = {(c["kind"], c["name"]): c["fields"] for c in fleet.changes  # type: ignore[attr-defined]
+                if c["action"] == "report"}
+    # the equal-size A100 lacks most time-sliced types: named, with the driver/mode advice
+    eq = findings[("missing-mdev-types", "kvm1/0000:41:00.0")]
+    assert "A100D-20C" in eq["detail"] and "A100D-10C" not in eq["detail"].split("for ", 1)[1]
+    assert "driver (driver 550.90.05) offers other types" in eq["do"]
+    # the MIG H100 offers only one of its MIG-backed types on its VFs
+    mig = findings[("missing-mdev-types", "kvm1/0000:43:00.0")]
+    assert "H100-1-10C" in mig["detail"] and "H100-3-40C" not in mig["detail"]
+    # the MIG H200 on vendor VFIO: its VFs offer the MIG-backed types only once GPU instances exist
+    assert ("missing-vfio-types", "kvm2/0000:42:00.0") in findings
+    assert not any(k == "missing-mig-types" for k, _ in findings)
+
+
+def test_wrong_mode_and_no_driver_are_findings(fleet: Fleet) -> None:
+    fleet.nvml["kvm1"].gpus[2].mig_current = 0  # an admin turned MIG off on the H100
+    changes = fleet.ctl.apply_inventory(fleet.inventory)
+    wrong = [c for c in changes if c["kind"] == "wrong-mode"]
+    assert [c["name"] for c in wrong] == ["kvm1/0000:43:00.0"]
+    assert "nvidia-smi -i 0000:43:00.0 -mig 1" in wrong[0]["fields"]["do"]
+    fleet.nvml["kvm2"].driver_loaded = False
+    changes = fleet.ctl.apply_inventory(fleet.inventory)
+    no_nvml = [c for c in changes if c["kind"] == "missing-mig-types" and c["name"] == "kvm2/0000:42:00.0"]
+    assert no_nvml and "NVIDIA host driver is not loaded" in no_nvml[0]["fields"]["do"]
+
+
+def test_a_type_the_host_lacks_fails_cleanly_at_provisioning(fleet: Fleet) -> None:
+    with pytest.raises(HostError, match=re.escape("the mdev type id of A100D-20C on GPU 0000:41:00.0 is unknown "
+                                                  "on this host: discovery did not find the type there")):
+        fleet.ctl.request_vm("acme", "nope", [("A100D-20C", 1)], vcpus=2, memory_mib=4096, pool="eq")
+    assert fleet.nodedev.calls == []
+    assert fleet.ctl.get_vm("nope").state == "failed"
+
+
+# -- each backing ------------------------------------------------------------------------------------------------
+
+def test_mdev_equal_size(fleet: Fleet) -> None:
+    vm = _vm(fleet, "eq1", "A100D-10C", "eq")
+    (dev,) = vm.devices
+    assert fleet.nodedev.calls[0] == ("define", _mdev_xml("pci_0000_41_00_0", "nvidia-558", dev.uuid))
+    assert fleet.nodedev.names() == ["define", "start", "set_autostart"]
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"mdev\" managed=\"no\" model=\"vfio-pci\" display=\"off\">"
+        f"<source><address uuid=\"{dev.uuid}\"/></source></hostdev>"]
+    assert fleet.log == ["nodedev define", "nodedev start", "nodedev set_autostart"]
+    fleet.ctl.release_vm(vm.id)
+    assert fleet.nodedev.names()[3:] == ["destroy", "undefine"] and fleet.nodedev.mdevs == {}
+
+
+def test_mdev_mixed_size_sends_the_placement_id(fleet: Fleet) -> None:
+    vm = _vm(fleet, "mx1", "A100D-20C", "mixed")
+    (dev,) = vm.devices
+    assert dev.start in (0, 20, 40, 60)
+    attr = f"\n    <attr name='vgpu-placement-id' value='{dev.start}'/>"
+    assert fleet.nodedev.calls[0] == ("define", _mdev_xml("pci_0000_42_00_0", "nvidia-559", dev.uuid, attr))
+    vm2 = _vm(fleet, "mx2", "A100D-10C", "mixed")  # another size on the same GPU, at its own placement
+    (dev2,) = vm2.devices
+    attr2 = f"\n    <attr name='vgpu-placement-id' value='{dev2.start}'/>"
+    assert fleet.nodedev.calls[3] == ("define", _mdev_xml("pci_0000_42_00_0", "nvidia-558", dev2.uuid, attr2))
+    assert not (dev.start <= dev2.start < dev.start + 20)
+
+
+def test_mig_instance(fleet: Fleet) -> None:
+    vm = _vm(fleet, "mig1", "3g.40gb", "mig")
+    (dev,) = vm.devices
+    assert dev.start in (0, 4)  # where placement put it: NVML gets exactly that placement
+    assert fleet.nvml["kvm1"].calls == [f"create_gi 00000000:43:00.0 3g.40gb@{dev.start}",
+                                        "create_ci 00000000:43:00.0 gi=1 slices=3"]
+    assert fleet.nodedev.calls == []
+    fleet.ctl.release_vm(vm.id)
+    assert fleet.nvml["kvm1"].calls[2:] == ["destroy_ci gi=1 ci=0", "destroy_gi 00000000:43:00.0 1"]
+    assert fleet.nvml["kvm1"].gpus[2].gis == {}
+
+
+def test_mig_backed_vgpu_on_mdev_creates_the_gpu_instance_then_the_mdev_on_a_vf(fleet: Fleet) -> None:
+    vm = _vm(fleet, "mb1", "H100-3-40C", "mig")
+    (dev,) = vm.devices
+    assert fleet.log == [f"nvml kvm1 create_gi 00000000:43:00.0 3g.40gb@{dev.start}",
+                         "nvml kvm1 create_ci 00000000:43:00.0 gi=1 slices=3",
+                         "nodedev define", "nodedev start"]  # no autostart: the GPU instance does not survive a boot
+    assert fleet.nodedev.calls[0] == ("define", _mdev_xml("pci_0000_43_00_4", "nvidia-700", dev.uuid))
+    vm2 = _vm(fleet, "mb2", "H100-3-40C", "mig")  # the first VF is used: the second one takes it
+    assert fleet.nodedev.calls[2] == ("define", _mdev_xml("pci_0000_43_00_5", "nvidia-700", vm2.devices[0].uuid))
+    assert sorted(g.start for g in fleet.nvml["kvm1"].gpus[2].gis.values()) == [0, 4]
+    fleet.log.clear()
+    fleet.ctl.release_vm(vm.id)
+    assert fleet.log == ["nodedev destroy", "nodedev undefine", "nvml kvm1 destroy_ci gi=1 ci=0",
+                         "nvml kvm1 destroy_gi 00000000:43:00.0 1"]
+
+
+def test_vendor_vfio_vf(fleet: Fleet) -> None:
+    vm = _vm(fleet, "vf1", "H200-35C", "vf")
+    assert fleet.vf_types() == {"0000:41:00.4": 1425, "0000:41:00.5": 0, "0000:42:00.4": 0, "0000:42:00.5": 0}
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"pci\" managed=\"no\"><source><address domain=\"0x0000\" "
+        "bus=\"0x41\" slot=\"0x00\" function=\"0x4\"/></source></hostdev>"]
+    assert fleet.nodedev.calls == [] and fleet.nvml["kvm2"].calls == []
+    fleet.ctl.release_vm(vm.id)
+    fleet.sysfs["0000:41:00.0"].refresh()
+    assert set(fleet.vf_types().values()) == {0}
+
+
+def test_mig_backed_vgpu_on_vfio_creates_the_gpu_instance_then_writes_the_vf_type(fleet: Fleet) -> None:
+    # the MIG-backed type only shows on the VFs once a GPU instance exists: its id is not in the store, so the
+    # type is found by name on the VF, right after the GPU instance is made
+    vm = _vm(fleet, "mv1", "H200-1-18C", "migvf")
+    (dev,) = vm.devices
+    assert fleet.nvml["kvm2"].calls == [f"create_gi 00000000:42:00.0 1g.18gb@{dev.start}",
+                                        "create_ci 00000000:42:00.0 gi=1 slices=1"]
+    fleet.sysfs["0000:42:00.0"].refresh()
+    assert fleet.vf_types()["0000:42:00.4"] == 1414
+    assert fleet.sysfs["0000:42:00.0"].file("0000:42:00.4", "gpu_instance_id").read_text() == "1\n"
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"pci\" managed=\"no\"><source><address domain=\"0x0000\" "
+        "bus=\"0x42\" slot=\"0x00\" function=\"0x4\"/></source></hostdev>"]
+    fleet.ctl.release_vm(vm.id)  # the VF first (the fake refuses destroying a GPU instance a VF holds)
+    assert fleet.vf_types()["0000:42:00.4"] == 0 and fleet.nvml["kvm2"].gpus[1].gis == {}
+
+
+def test_mig_backed_vgpu_on_vfio_is_undone_when_the_vf_refuses(fleet: Fleet) -> None:
+    fleet.sysfs["0000:42:00.0"].mig_types.clear()  # a driver without MIG-backed vGPU support
+    with pytest.raises(HostError, match=re.escape("vGPU type H200-1-18C is not creatable on GPU 0000:42:00.0")):
+        fleet.ctl.request_vm("acme", "mv2", [("H200-1-18C", 1)], vcpus=2, memory_mib=4096, pool="migvf")
+    assert fleet.nvml["kvm2"].calls[-1].startswith("destroy_gi") and fleet.nvml["kvm2"].gpus[1].gis == {}
+
+
+def test_whole_gpu_passthrough(fleet: Fleet) -> None:
+    vm = _vm(fleet, "pt1", "L40S", "pt")
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"pci\" managed=\"yes\"><source><address domain=\"0x0000\" "
+        "bus=\"0x44\" slot=\"0x00\" function=\"0x0\"/></source></hostdev>"]
+    assert fleet.log == []
+
+
+def test_reconcile_sees_the_devices_of_every_backing(fleet: Fleet) -> None:
+    for name, profile, pool in (("r1", "A100D-10C", "eq"), ("r2", "H200-35C", "vf"), ("r3", "L40S", "pt"),
+                                ("r4", "3g.40gb", "mig"), ("r5", "H100-3-40C", "mig")):
+        _vm(fleet, name, profile, pool)
+    report = fleet.ctl.reconcile()
+    assert [f for f in report.findings if f.kind != "foreign-domain"] == []
+
+
+def test_vendor_vfio_uses_the_discovered_id(fleet: Fleet) -> None:
+    from fake_sysfs import FakeVgpuType
+
+    # a driver update renumbered H200X-35C after discovery: the stored id is no longer offered
+    sysfs = fleet.sysfs["0000:41:00.0"]
+    sysfs.types = {1500: FakeVgpuType(1500, "NVIDIA H200X-35C", 4)}
+    sysfs.refresh()
+    with pytest.raises(HostError, match=re.escape("vGPU type H200-35C (id 1425, as discovered) is not creatable "
+                                                  "on GPU 0000:41:00.0 now; creatable: H200X-35C (1500); the host "
+                                                  "driver now gives the type another id: discover the host again")):
+        fleet.ctl.request_vm("acme", "vf2", [("H200-35C", 1)], vcpus=2, memory_mib=4096, pool="vf")
+    assert set(fleet.vf_types().values()) == {0}
+    fleet.ctl.apply_inventory(fleet.inventory)  # discovery again: the new id is recorded and used
+    _vm(fleet, "vf3", "H200-35C", "vf")
+    assert fleet.vf_types()["0000:41:00.4"] == 1500

@@ -1,0 +1,165 @@
+"""What each host calls each profile: discovered on the host, kept per GPU in the store, used to provision.
+
+`inventory apply` of a libvirt host and `host discover --write` record the mdev type ids, vendor-VFIO type ids
+and NVML MIG profile ids a GPU offers; a profile the declared mode needs but the host lacks is a finding
+with what to do, reported then, instead of a failure when a VM is provisioned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table, select
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.catalog import Catalog, ProfileKind
+from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.hosts.discovery import DiscoveredGpu, Discovery, discover_host
+from vgpu_ctl.service.allocation import GPU, HOST
+from vgpu_ctl.store.models import GpuTypeId, utcnow
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+
+TYPE_ID: Table = GpuTypeId.__table__  # type: ignore[attr-defined]
+KINDS = ("mdev", "vfio", "mig")
+Change = dict[str, Any]
+TypeIds = dict[str, dict[str, str]]  # kind -> profile -> the host's id
+
+
+def discover_hosts(ctl: Controller, hosts: Iterable[Any]) -> dict[str, Discovery | str]:
+    """Discovery of each libvirt host (rows or declarations with name, uri, driver, vgpu_backing); the error
+    text for a host that could not be read."""
+    out: dict[str, Discovery | str] = {}
+    for h in hosts:
+        if h.driver != "libvirt" or h.uri.startswith("simulated:"):
+            continue
+        try:
+            out[h.name] = discover_host(h.uri, ctl.catalog, h.name, ctl.hosts.side(h))
+        except VgpuCtlError as exc:
+            out[h.name] = exc.message
+    return out
+
+
+def stored_ids(conn: Connection, gpu_id: int) -> TypeIds:
+    """The ids recorded for a GPU, by kind and profile."""
+    out: TypeIds = {k: {} for k in KINDS}
+    for r in conn.execute(select(TYPE_ID.c.kind, TYPE_ID.c.profile, TYPE_ID.c.type_id)
+                          .where(TYPE_ID.c.gpu_id == gpu_id)):
+        out[r.kind][r.profile] = r.type_id
+    return out
+
+
+def _found_ids(catalog: Catalog, model: str, g: DiscoveredGpu) -> TypeIds:
+    """A discovered GPU's ids, for the catalog's profiles of `model` only."""
+    names = {p.name for p in catalog.profiles(model)}
+    return {"mdev": {p: t for p, t in g.types.items() if p in names},
+            "vfio": {p: str(t) for p, t in g.vfio_types.items() if p in names},
+            "mig": {p: str(t) for p, t in g.mig_profiles.items() if p in names}}
+
+
+def _needed(catalog: Catalog, gpu: Any, backing: str) -> dict[str, list[str]]:
+    """The profiles a GPU's declared mode needs ids for, by kind."""
+    profiles = catalog.profiles(gpu.model)
+    if gpu.mode in ("vgpu-equal", "vgpu-mixed"):
+        names = [p.name for p in profiles if p.kind is ProfileKind.VGPU
+                 and (gpu.pinned_type is None or p.name == gpu.pinned_type)]
+        return {backing: names}
+    if gpu.mode == "mig":
+        return {"mig": [p.name for p in profiles if p.kind is ProfileKind.MIG],
+                backing: [p.name for p in profiles if p.kind is ProfileKind.MIG_VGPU]}
+    return {}
+
+
+def _advice(kind: str, gpu: Any, g: DiscoveredGpu, found: TypeIds, driver: str | None) -> str:
+    version = f" (driver {driver})" if driver else ""
+    if kind == "mig":
+        if not g.nvml_seen:
+            return ("NVML did not report this GPU: the NVIDIA host driver is not loaded there, or the GPU is "
+                    "bound to another driver; see `vgpuctl host check`")
+        return (f"NVML offers no GPU-instance profile of these: MIG mode is off (an admin enables it with "
+                f"`nvidia-smi -i {gpu.pci_address} -mig 1` and a GPU reset; vgpu-ctl never changes it) or the "
+                f"host driver{version} does not offer them")
+    if not found[kind]:
+        if kind == "vfio":
+            return ("no VF of this GPU offers vendor-VFIO vGPU types: enable the VFs "
+                    f"(`/usr/lib/nvidia/sriov-manage -e {gpu.pci_address}`, again after each reboot) on a vGPU 17+ "
+                    "host driver with kernel >= 6.8, or declare the host `vgpu_backing: mdev`")
+        return ("the host offers no mdev vGPU types on this GPU: load the NVIDIA vGPU host driver (vGPU "
+                f"manager); on SR-IOV GPUs enable the VFs first (`/usr/lib/nvidia/sriov-manage -e "
+                f"{gpu.pci_address}`); hosts with vGPU 17+ on kernel >= 6.8 use vendor-specific VFIO: declare "
+                "`vgpu_backing: vfio`")
+    return (f"the host driver{version} offers other types on this GPU but not these: it may be too old or too "
+            "new for them, or the GPU is in the other mode (time-sliced types need MIG off, MIG-backed types "
+            "MIG on)")
+
+
+def record_discovery(conn: Connection, catalog: Catalog, d: Discovery) -> list[Change]:
+    """Store what host `d.name` calls each profile of its GPUs in the store; the changes and the findings."""
+    label = d.name
+    host = conn.execute(select(HOST.c.id, HOST.c.vgpu_backing).where(HOST.c.name == d.name)).first()
+    if host is None:
+        return []
+    changes: list[Change] = []
+    by_pci = {g.pci: g for g in d.gpus}
+    backing = "vfio" if host.vgpu_backing == "vfio" else "mdev"
+    for gpu in conn.execute(select(GPU).where(GPU.c.host_id == host.id).order_by(GPU.c.pci_address)).all():
+        name = f"{label}/{gpu.pci_address}"
+        g = by_pci.get(gpu.pci_address)
+        if g is None or g.model != gpu.model:
+            what = "no NVIDIA GPU there" if g is None else f"a {g.model or 'model the catalog lacks'}"
+            changes.append(_finding("gpu-mismatch", name, f"declared a {gpu.model}, the host has {what}",
+                                    "fix the inventory's pci/model (see `vgpuctl host discover`)"))
+            _replace(conn, gpu.id, {k: {} for k in KINDS})
+            continue
+        found = _found_ids(catalog, gpu.model, g)
+        old = stored_ids(conn, gpu.id)
+        if old != found:
+            _replace(conn, gpu.id, found)
+            changes.append({"action": "record", "kind": "type-ids", "name": name,
+                            "fields": {k: len(v) for k, v in found.items() if v or old[k]}})
+        if gpu.mode == "mig" and g.nvml_seen and g.mig_current is False:
+            changes.append(_finding("wrong-mode", name, "declared mode mig, but MIG mode is off on the GPU",
+                                    f"an admin enables it: `nvidia-smi -i {gpu.pci_address} -mig 1`, then a GPU "
+                                    "reset (vgpu-ctl never changes MIG mode)"))
+        elif gpu.mode in ("vgpu-equal", "vgpu-mixed") and g.mig_current:
+            changes.append(_finding("wrong-mode", name, f"declared mode {gpu.mode}, but MIG mode is on",
+                                    f"time-sliced vGPU types need MIG off (`nvidia-smi -i {gpu.pci_address} "
+                                    "-mig 0`), or declare the GPU `mode: mig`"))
+        for kind, names in _needed(catalog, gpu, backing).items():
+            missing = [n for n in names if n not in found[kind]]
+            if missing:
+                changes.append(_finding(f"missing-{kind}-types", name,
+                                        f"{gpu.model} in mode {gpu.mode}: the host has no {kind} id for "
+                                        f"{', '.join(missing)}", _advice(kind, gpu, g, found, d.driver_version)))
+    return changes
+
+
+def _finding(kind: str, name: str, detail: str, todo: str) -> Change:
+    return {"action": "report", "kind": kind, "name": name, "fields": {"detail": detail, "do": todo}}
+
+
+def _replace(conn: Connection, gpu_id: int, ids: Mapping[str, Mapping[str, str]]) -> None:
+    conn.execute(TYPE_ID.delete().where(TYPE_ID.c.gpu_id == gpu_id))
+    rows = [{"gpu_id": gpu_id, "kind": k, "profile": p, "type_id": t, "seen_at": utcnow()}
+            for k, v in ids.items() for p, t in sorted(v.items())]
+    if rows:
+        conn.execute(TYPE_ID.insert(), rows)
+
+
+def record_unreachable(name: str, error: str) -> Change:
+    """The finding for a declared libvirt host discovery could not read."""
+    return _finding("host-unreachable", name, error, "the type ids stay as recorded before; fix the host or its "
+                    "URI and apply again (`vgpuctl host check` says what is missing)")
+
+
+def record_all(conn: Connection, catalog: Catalog, found: Mapping[str, Discovery | str]) -> list[Change]:
+    """record_discovery for each host discovered, a finding for each that could not be read."""
+    changes: list[Change] = []
+    for name, d in found.items():
+        if isinstance(d, str):
+            changes.append(record_unreachable(name, d))
+        else:
+            changes.extend(record_discovery(conn, catalog, d))
+    return changes
