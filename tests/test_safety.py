@@ -108,3 +108,53 @@ def test_reconcile_finishes_a_vm_whose_holder_died(acme: Controller, state_dir: 
     assert report.clean, report.to_dict()
     assert [v.name for v in acme.list_vms()] == []
     check_store_invariants(acme.engine)
+
+
+# -- 7: tokens ---------------------------------------------------------------------------------------------
+
+
+def test_empty_token_is_refused(acme: Controller, store_url: str) -> None:
+    from vgpu_ctl import PermissionDenied
+    with pytest.raises(PermissionDenied, match="token"):
+        Controller(store_url, token="")
+
+
+def _cli(url: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    from typer.testing import CliRunner
+
+    from vgpu_ctl.cli.main import app
+    return CliRunner().invoke(app, ["--db", url, *args], env=env)
+
+
+def test_empty_token_on_the_command_line_or_in_the_environment_is_refused(state_dir: Path,
+                                                                          sqlite_url: str) -> None:
+    c = Controller(sqlite_url)
+    c.create_tenant("acme")
+    before = store_snapshot(c)
+    for args, env in ((["--token", "", "tenant", "create", "evil"], None),
+                      (["tenant", "create", "evil"], {"VGPU_CTL_TOKEN": ""}),
+                      (["--token", "", "tenant", "list", "--json"], None)):
+        result = _cli(sqlite_url, *args, env=env)
+        assert result.exit_code == 7, (args, env, result.output)
+        assert "token" in result.output
+    assert store_snapshot(c) == before
+    c.close()
+
+
+def test_a_tenant_token_may_not_run_init(state_dir: Path, sqlite_url: str) -> None:
+    from vgpu_ctl import PermissionDenied
+    c = Controller(sqlite_url)
+    c.create_tenant("acme")
+    token = c.issue_token("acme")
+    before = store_snapshot(c)
+    result = _cli(sqlite_url, "--token", token, "init")
+    assert result.exit_code == 7, result.output
+    t = Controller(sqlite_url, token=token)
+    try:
+        with pytest.raises(PermissionDenied, match="init"):
+            t.init()
+        assert t.principal.tenant == "acme"
+    finally:
+        t.close()
+    assert store_snapshot(c) == before
+    c.close()

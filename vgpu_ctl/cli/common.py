@@ -34,7 +34,8 @@ STATE = State()
 def open_controller() -> Any:
     """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN)."""
     from vgpu_ctl.service.controller import TOKEN_ENV, Controller
-    return Controller(STATE.db, token=STATE.token or os.environ.get(TOKEN_ENV) or None, actor=STATE.actor)
+    token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
+    return Controller(STATE.db, token=token, actor=STATE.actor)
 
 
 def print_json(data: Any) -> None:

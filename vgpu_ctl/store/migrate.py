@@ -36,3 +36,21 @@ def known_revisions() -> set[str]:
 def upgrade(engine: Engine) -> None:
     """Bring the store's schema to the newest revision."""
     command.upgrade(alembic_config(engine), "head")
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the store's schema is at (None for an empty store)."""
+    from alembic.runtime.migration import MigrationContext
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def require_head(engine: Engine) -> None:
+    """PermissionDenied unless the store's schema is at this code's newest revision (only the admin
+    upgrades it, with `vgpuctl init`)."""
+    from vgpu_ctl.errors import PermissionDenied
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise PermissionDenied(f"the store's schema is at revision {current or 'none'}, this vgpu-ctl needs {head}; "
+                               "the admin must run `vgpuctl init` first",
+                               reasons=[{"field": "schema", "value": current}])
