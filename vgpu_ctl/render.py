@@ -16,8 +16,9 @@ from markupsafe import Markup, escape
 
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.protocol import DeviceBacking
+from vgpu_ctl.shipped import template_dir
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE_DIR = template_dir()  # templates/ of the checkout, or the copy inside an installed wheel
 DOMAIN_SCHEMA = Path("/usr/share/libvirt/schemas/domain.rng")
 METADATA_NS = "https://vgpu-ctl.dev/xmlns/vm/1"
 MDEV_TEMPLATE = "mdev.xml.j2"
