@@ -44,7 +44,7 @@ import statistics
 import time
 from bisect import insort
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
@@ -76,7 +76,11 @@ MODEL_MAP: dict[str, str] = {
     "V100M32": "V100-32GB",
     "A10": "A10",
 }
-TRACES = ("default", "gpushare40", "multigpu30")
+# Generated from the default trace (see `restrict_to_models`): name -> (share of GPU tasks restricted to one model,
+# whether the model is drawn by its share of the cluster's GPUs or of its nodes).
+GPUSPEC: dict[str, tuple[float, str]] = {"gpuspec20": (0.20, "gpus"), "gpuspec33": (0.33, "gpus"),
+                                         "gpuspec33n": (0.33, "nodes")}
+TRACES = ("default", "gpushare40", "multigpu30", *GPUSPEC)
 MODES = ("vgpu-equal", "vgpu-mixed", "mig")
 POLICY_NAMES = ("pack", "first-fit", "best-fit", "spread")
 DEFAULT_SEEDS = "42..44"  # the paper uses 42..51: ~20 min for everything on 2 CPUs, so pass --seeds 42..51
@@ -115,8 +119,9 @@ class Task:
         return self.num_gpu * self.gpu_milli / 1000
 
 
-def load_nodes(trace_dir: Path, limit: int | None = None) -> list[Node]:
-    """The trace's GPU nodes in file order (the first `limit` of them if given)."""
+def load_nodes(trace_dir: Path, limit: int | None = None, raw: bool = False) -> list[Node]:
+    """The trace's GPU nodes in file order (the first `limit` of them if given), with catalog models (raw: the
+    trace's model names)."""
     nodes: list[Node] = []
     with (trace_dir / "openb_node_list_gpu_node.csv").open(newline="") as f:
         for row in csv.DictReader(f):
@@ -124,14 +129,19 @@ def load_nodes(trace_dir: Path, limit: int | None = None) -> list[Node]:
             if model not in MODEL_MAP:
                 raise SystemExit(f"node {row['sn']}: unknown GPU model {model!r} (known: {', '.join(MODEL_MAP)})")
             nodes.append(Node(row["sn"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["gpu"]),
-                              MODEL_MAP[model]))
+                              model if raw else MODEL_MAP[model]))
             if limit is not None and len(nodes) >= limit:
                 break
     return nodes
 
 
 def load_tasks(trace_dir: Path, trace: str) -> list[Task]:
-    """The tasks of openb_pod_list_<trace>.csv in file order."""
+    """The tasks of openb_pod_list_<trace>.csv in file order; a gpuspecNN trace is generated from the default one
+    (see `restrict_to_models`)."""
+    if trace in GPUSPEC:
+        share, by = GPUSPEC[trace]
+        return restrict_to_models(load_tasks(trace_dir, "default"), load_nodes(trace_dir, None, raw=True),
+                                  share, trace, by)
     tasks: list[Task] = []
     with (trace_dir / f"openb_pod_list_{trace}.csv").open(newline="") as f:
         for row in csv.DictReader(f):
@@ -140,6 +150,34 @@ def load_tasks(trace_dir: Path, trace: str) -> list[Task]:
             tasks.append(Task(row["name"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["num_gpu"]),
                               int(row["gpu_milli"]), models))
     return tasks
+
+
+def restrict_to_models(tasks: Sequence[Task], nodes: Sequence[Node], share: float, name: str,
+                       by: str = "gpus") -> list[Task]:
+    """The tasks with `share` of those asking for GPUs (and not already restricted) restricted to one trace GPU
+    model each, as in the FGD paper's gpuspec traces: round(share x their count) tasks drawn at random, each given
+    a model drawn by the model's share of the cluster's GPUs (by="nodes": of its nodes, which makes the models of
+    small nodes, T4 and P100, scarce), among the models with a node that has as many GPUs as the task asks for.
+    Deterministic: the generator is seeded with the trace's name, not the replay seed, so every seed replays the
+    same trace, like the published ones. `nodes` carry trace model names (raw=True)."""
+    rng = random.Random(name)
+    gpus: Counter[str] = Counter()
+    widest: dict[str, int] = {}
+    for n in nodes:
+        gpus[n.model] += n.gpus if by == "gpus" else 1
+        widest[n.model] = max(widest.get(n.model, 0), n.gpus)
+    models = sorted(gpus)
+    open_ = [i for i, t in enumerate(tasks) if t.num_gpu > 0 and t.models is None]
+    chosen = set(rng.sample(open_, round(share * len(open_))))
+    out = list(tasks)
+    for i in sorted(chosen):
+        t = tasks[i]
+        fits = [m for m in models if widest[m] >= t.num_gpu]
+        if not fits:
+            continue
+        model = rng.choices(fits, weights=[gpus[m] for m in fits])[0]
+        out[i] = Task(t.name, t.cpu_milli, t.memory_mib, t.num_gpu, t.gpu_milli, frozenset({MODEL_MAP[model]}))
+    return out
 
 
 def arrival_sequence(tasks: Sequence[Task], capacity: int, seed: int) -> list[Task]:
@@ -358,6 +396,7 @@ class Replay:
     nodes: Sequence[Node]
     policy: Policy
     verify: bool = False
+    first_model: bool = False  # a user's rule: the task's models by their GPUs in the fleet, the first that fits
     trim: bool = field(init=False)  # show `plan` only the hosts/GPUs that can win (see the module's docstring)
     by_host: bool = field(init=False)  # ... cut by host state: the policy has a host cost
     fleet: Fleet = field(init=False)
@@ -369,6 +408,8 @@ class Replay:
         self.trim = self.policy.name in TRIMMABLE
         self.by_host = self.policy.host_cost is not None
         self.models = tuple(dict.fromkeys(n.model for n in self.nodes if n.gpus))
+        if self.first_model:
+            self.models = preference(self.nodes)
 
     def profile(self, model: str, gpu_milli: int) -> str | None:
         """The profile a GPU share maps to on `model` in this run (cached)."""
@@ -404,14 +445,14 @@ class Replay:
             found = plan(req, hosts, self.policy)
             if found is None:
                 continue
-            if len(options) == 1:
+            if len(options) == 1 or self.first_model:
                 best = ((), found, req)
                 break
             scored = plan_on_host(next(h for h in hosts if h.host_id == found.host_id), req, self.policy)
             assert scored is not None
             if best is None or scored[0] < best[0]:
                 best = (scored[0], found, req)
-        if self.verify:
+        if self.verify and not self.first_model:
             self._check(options, best[1] if best else None)
         if best is None:
             return None
@@ -445,8 +486,17 @@ def demand_mix(catalog: Catalog, run_mode: str, nodes: Sequence[Node], tasks: It
             continue
         profiles = (profile_for(catalog, g, t.gpu_milli) for m, g in geometries.items()
                     if t.models is None or m in t.models)
-        mix[TaskShape(tuple(dict.fromkeys(p for p in profiles if p is not None)), t.num_gpu, t.cpu_milli)] += 1
+        mix[TaskShape(tuple(dict.fromkeys(p for p in profiles if p is not None)), t.num_gpu, t.cpu_milli,
+                      models=t.models)] += 1
     return {shape: float(w) for shape, w in mix.items()}
+
+
+def supply(nodes: Iterable[Node]) -> dict[str, float]:
+    """GPUs per catalog model in the fleet, for the pack policy's price of scarce models' room."""
+    out: Counter[str] = Counter()
+    for n in nodes:
+        out[n.model] += n.gpus
+    return {m: float(k) for m, k in out.items() if k}
 
 
 @dataclass(frozen=True)
@@ -460,6 +510,7 @@ class Job:
     seed: int
     nodes_limit: int | None = None
     verify: bool = False
+    replay: str = "pure"  # or "pure-first" / "store": the user's rule (first model that fits), pure or in the store
 
 
 @cache
@@ -468,45 +519,167 @@ def _inputs(trace_dir: str, trace: str, nodes_limit: int | None) -> tuple[list[N
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    """Replay one sequence; the measurements at 100% and at the end."""
+    """Replay one sequence; the measurements at 100% and at the end (a replay through the store stops at 100%)."""
     started = time.perf_counter()
     catalog = load_catalog()
     nodes, tasks = _inputs(job.trace_dir, job.trace, job.nodes_limit)
     capacity = sum(n.gpus for n in nodes)
-    demand = demand_mix(catalog, job.mode, nodes, tasks) if job.policy == "pack" else None
-    replay = Replay(catalog, job.mode, nodes, get_policy(job.policy, demand), job.verify)
-    sizes: dict[str, float] = {}
+    seq = arrival_sequence(tasks, capacity, job.seed)
+    if job.replay == "store":
+        with StoreReplay(catalog, job.mode, nodes, tasks) as store:
+            out = measure(seq, capacity, store.place, stop_at_measure=True)
+    else:
+        demand = demand_mix(catalog, job.mode, nodes, tasks) if job.policy == "pack" else None
+        replay = Replay(catalog, job.mode, nodes, get_policy(job.policy, demand, supply(nodes)), job.verify,
+                        first_model=job.replay == "pure-first")
+        sizes: dict[str, float] = {}
+
+        def place(task: Task) -> float | None:
+            p = replay.place(task)
+            if p is None:
+                return None
+            for d in p.devices:
+                if d.profile not in sizes:
+                    g = replay.fleet.views[p.host_id].gpus[d.gpu_id].occupancy.geometry
+                    sizes[d.profile] = d.size / g.axis
+            return sum(sizes[d.profile] for d in p.devices)
+
+        out = measure(seq, capacity, place, stop_at_measure=job.replay != "pure")
+    return {"trace": job.trace, "mode": job.mode, "policy": job.policy, "seed": job.seed, "replay": job.replay,
+            **out, "seconds": time.perf_counter() - started}
+
+
+def measure(seq: Sequence[Task], capacity: int, place: Callable[[Task], float | None],
+            stop_at_measure: bool = False) -> dict[str, Any]:
+    """Place the tasks in order (`place` gives the GPUs' worth a task's devices take, None if it failed): placed
+    and consumed GPU share at 100% arrived and at the end, in % of capacity."""
     arrived = placed = consumed = 0.0
     at100: dict[str, float] | None = None
-    failed = skipped = 0
-    seq = arrival_sequence(tasks, capacity, job.seed)
+    failed = skipped = done = 0
     for task in seq:
         arrived += task.gpu_request
+        done += 1
         if task.num_gpu == 0:
             skipped += 1
         else:
-            p = replay.place(task)
-            if p is None:
+            took = place(task)
+            if took is None:
                 failed += 1
             else:
                 placed += task.gpu_request
-                for d in p.devices:
-                    if d.profile not in sizes:
-                        g = replay.fleet.views[p.host_id].gpus[d.gpu_id].occupancy.geometry
-                        sizes[d.profile] = d.size / g.axis
-                    consumed += sizes[d.profile]
+                consumed += took
         if at100 is None and arrived >= ARRIVED_MEASURE * capacity:
             at100 = {"placed": placed, "consumed": consumed}
+            if stop_at_measure:
+                break
     end = {"placed": placed, "consumed": consumed}
     at100 = at100 or end
     pct = 100.0 / capacity
     return {
-        "trace": job.trace, "mode": job.mode, "policy": job.policy, "seed": job.seed,
         "placed_pct": at100["placed"] * pct, "consumed_pct": at100["consumed"] * pct,
         "placed_pct_end": end["placed"] * pct, "consumed_pct_end": end["consumed"] * pct,
-        "arrived_pct_end": arrived * pct, "tasks": len(seq), "skipped_cpu_only": skipped, "failed": failed,
-        "seconds": time.perf_counter() - started,
+        "arrived_pct_end": arrived * pct, "tasks": done, "skipped_cpu_only": skipped, "failed": failed,
     }
+
+
+def preference(nodes: Sequence[Node]) -> tuple[str, ...]:
+    """The fleet's GPU models, most GPUs first (ties by name): the order a user tries a task's models in."""
+    have = supply(nodes)
+    return tuple(sorted(have, key=lambda m: (-have[m], m)))
+
+
+class StoreReplay:
+    """The fleet declared through an inventory file in a fresh SQLite store (simulated hosts, one `pack` pool per GPU
+    model whose demand is the trace's task shapes on that model), and tasks placed as a user would: request_vm with
+    the task's profile on each model it may use, most plentiful model first, the first that is not refused.
+    vCPUs in milli-vCPUs as in the pure replay (a task asking for none asks for 1, as the store requires)."""
+
+    def __init__(self, catalog: Catalog, run_mode: str, nodes: Sequence[Node], tasks: Iterable[Task]) -> None:
+        import tempfile
+
+        from vgpu_ctl import Controller
+
+        self.catalog = catalog
+        self.run_mode = run_mode
+        self.models = preference(nodes)
+        self.geometries = {m: geometry_for(catalog, m, mode_of(catalog, m, run_mode)) for m in self.models}
+        self.pool = {m: f"gpu-{m.lower()}" for m in self.models}
+        self._profiles: dict[tuple[str, int], str | None] = {}
+        self._n = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-packing-")
+        folder = Path(self._tmp.name)
+        inventory = folder / "fleet.yaml"
+        inventory.write_text(json.dumps(self.inventory(nodes, tasks)))  # JSON is YAML
+        self._saved = os.environ.get("VGPU_CTL_STATE_DIR")
+        os.environ["VGPU_CTL_STATE_DIR"] = str(folder / "state")
+        self.ctl = Controller(f"sqlite:///{folder / 'store.db'}")
+        self.ctl.apply_inventory(inventory)
+        self.ctl.create_tenant("bench")
+
+    def profile(self, model: str, gpu_milli: int) -> str | None:
+        """The profile a GPU share maps to on `model` (cached)."""
+        key = (model, gpu_milli)
+        if key not in self._profiles:
+            self._profiles[key] = profile_for(self.catalog, self.geometries[model], gpu_milli)
+        return self._profiles[key]
+
+    def inventory(self, nodes: Sequence[Node], tasks: Iterable[Task]) -> dict[str, Any]:
+        """The inventory: pools with their demand, hosts with their GPUs."""
+        demand: dict[str, Counter[tuple[str, int, int]]] = {m: Counter() for m in self.models}
+        for t in tasks:
+            if t.num_gpu == 0:
+                continue
+            for m in self.models:
+                p = self.profile(m, t.gpu_milli) if t.models is None or m in t.models else None
+                if p is not None:
+                    demand[m][(p, t.num_gpu, t.cpu_milli)] += 1
+        pools = [{"name": self.pool[m], "policy": "pack",
+                  "demand": [{"profile": p, "gpus": g, "vcpus": c, "weight": float(w)}
+                             for (p, g, c), w in sorted(demand[m].items())]}
+                 for m in self.models if demand[m]]
+        with_demand = {m for m in self.models if demand[m]}
+        hosts = []
+        for i, n in enumerate(nodes):
+            mode = mode_of(self.catalog, n.model, self.run_mode).value
+            hosts.append({
+                "name": f"node-{i:04d}", "uri": f"simulated:///node-{i:04d}", "driver": "simulated",
+                "vcpus": n.cpu_milli, "memory_mib": n.memory_mib,
+                "gpus": [{"pci": f"0000:{0x10 + j:02x}:00.0", "model": n.model, "mode": mode,
+                          **({"pool": self.pool[n.model]} if n.model in with_demand else {})}
+                         for j in range(n.gpus)]})
+        return {"pools": pools, "hosts": hosts}
+
+    def place(self, task: Task) -> float | None:
+        """Request a VM for the task: the GPUs' worth its devices take, or None when every model refused it."""
+        from vgpu_ctl import NoCapacity
+
+        self._n += 1
+        for m in self.models:
+            if task.models is not None and m not in task.models:
+                continue
+            profile = self.profile(m, task.gpu_milli)
+            if profile is None:
+                continue
+            try:
+                vm = self.ctl.request_vm("bench", f"t{self._n}", [(profile, task.num_gpu)],
+                                         vcpus=max(1, task.cpu_milli), memory_mib=max(1, task.memory_mib),
+                                         pool=self.pool[m], provision=False)
+            except NoCapacity:
+                continue
+            axis = self.geometries[m].axis
+            return sum(d.size / axis for d in vm.devices)
+        return None
+
+    def __enter__(self) -> StoreReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ctl.close()
+        if self._saved is None:
+            os.environ.pop("VGPU_CTL_STATE_DIR", None)
+        else:
+            os.environ["VGPU_CTL_STATE_DIR"] = self._saved
+        self._tmp.cleanup()
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -535,7 +708,8 @@ def summarize(results: Sequence[Mapping[str, Any]], traces: Sequence[str], modes
         for mode in modes:
             means: dict[str, float] = {}
             for policy in policies:
-                rs = [r for r in results if (r["trace"], r["mode"], r["policy"]) == (trace, mode, policy)]
+                rs = [r for r in results if (r["trace"], r["mode"], r["policy"]) == (trace, mode, policy)
+                      and r.get("replay", "pure") == "pure"]
                 if not rs:
                     continue
                 placed = [r["placed_pct"] for r in rs]
@@ -558,6 +732,42 @@ def summarize(results: Sequence[Mapping[str, Any]], traces: Sequence[str], modes
                     "pack_beats": all(means["pack"] > means[p] for p in rivals),
                 })
     return rows, verdicts
+
+
+STORE_GAP = 0.2  # points: how far the store's pack may be from the pure policy's
+
+
+def summarize_store(results: Sequence[Mapping[str, Any]], traces: Sequence[str],
+                    modes: Sequence[str]) -> list[dict[str, Any]]:
+    """Per trace x mode, pack's placed% (mean over seeds) three ways: pure, best of the task's models; pure, the
+    user's rule (first model that fits, most plentiful first); through the store with the user's rule."""
+    out = []
+    for trace in traces:
+        for mode in modes:
+            means: dict[str, float] = {}
+            for replay in ("pure", "pure-first", "store"):
+                rs = [r["placed_pct"] for r in results if (r["trace"], r["mode"], r["policy"]) ==
+                      (trace, mode, "pack") and r.get("replay", "pure") == replay]
+                if rs:
+                    means[replay] = statistics.fmean(rs)
+            if "store" in means and "pure-first" in means:
+                gap = means["store"] - means["pure-first"]
+                out.append({"trace": trace, "mode": mode, "pure": means.get("pure"),
+                            "pure_first": means["pure-first"], "store": means["store"], "gap": gap,
+                            "within": abs(gap) <= STORE_GAP})
+    return out
+
+
+def render_store(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The plain-text table of pack through the store beside the pure policy."""
+    lines = ["", "pack through the store (request_vm, provision=False, SQLite, one pack pool per model) beside the "
+             "pure policy; placed% at 100% arrived; user = first model that fits, most plentiful first",
+             f"{'trace':<11} {'mode':<10} {'pure best':>9} {'pure user':>9} {'store user':>10} {'gap':>6}"]
+    for r in rows:
+        best = f"{r['pure']:9.2f}" if r["pure"] is not None else f"{'-':>9}"
+        lines.append(f"{r['trace']:<11} {r['mode']:<10} {best} {r['pure_first']:9.2f} {r['store']:10.2f} "
+                     f"{r['gap']:+6.2f}  {'within' if r['within'] else 'NOT within'} {STORE_GAP} points")
+    return "\n".join(lines)
 
 
 def render(header: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], verdicts: Sequence[Mapping[str, Any]]) -> str:
@@ -599,6 +809,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodes-limit", type=int, default=None, help="use only the first N nodes (quick runs)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPUs)")
     ap.add_argument("--verify", action="store_true", help="check every plan against plan() over all hosts (slow)")
+    ap.add_argument("--store", action="store_true",
+                    help="also replay pack through the Controller and a SQLite store, beside the pure policy with the "
+                         "same user's rule (slow: minutes per trace, mode and seed)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     traces = _choices(args.trace, TRACES, "trace")
@@ -609,6 +822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     nodes = load_nodes(Path(trace_dir), args.nodes_limit)
     jobs = [Job(trace_dir, t, m, p, s, args.nodes_limit, args.verify)
             for t in traces for m in modes for p in policies for s in seeds]
+    if args.store:
+        jobs += [Job(trace_dir, t, m, "pack", s, args.nodes_limit, replay=r)
+                 for t in traces for m in modes for s in seeds for r in ("store", "pure-first")]
     started = time.perf_counter()
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -622,10 +838,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_seconds": time.perf_counter() - started,
     }
     rows, verdicts = summarize(results, traces, modes, policies)
+    store = summarize_store(results, traces, modes) if args.store else []
     if args.json:
-        print(json.dumps({"header": header, "rows": rows, "verdicts": verdicts, "runs": results}, indent=2))
+        print(json.dumps({"header": header, "rows": rows, "verdicts": verdicts, "store": store, "runs": results},
+                         indent=2))
     else:
-        print(render(header, rows, verdicts))
+        print(render(header, rows, verdicts) + (render_store(store) if store else ""))
     return 0
 
 

@@ -177,3 +177,67 @@ def test_host_state_cut_gives_the_plans_of_the_whole_fleet(tmp_path: Path) -> No
     for mode in bench.MODES:
         result = bench.run_job(bench.Job(str(tmp_path), "default", mode, "pack", 3, verify=True))
         assert result["placed_pct"] > 30
+
+
+def test_gpuspec_traces_restrict_a_share_of_gpu_tasks_to_one_model(trace_dir: Path) -> None:
+    tasks = bench.load_tasks(trace_dir, "default")
+    raw = bench.load_nodes(trace_dir, raw=True)
+    assert {n.model for n in raw} == {"G2", "T4", "V100M32", "G3"}
+    open_ = [t for t in tasks if t.num_gpu and t.models is None]
+    for by in ("gpus", "nodes"):
+        out = bench.restrict_to_models(tasks, raw, 0.5, "gpuspec-test", by)
+        assert out == bench.restrict_to_models(tasks, raw, 0.5, "gpuspec-test", by)  # the same trace every time
+        assert [t.name for t in out] == [t.name for t in tasks]
+        changed = [(t, u) for t, u in zip(tasks, out, strict=True) if t != u]
+        assert len(changed) == round(0.5 * len(open_))
+        for before, after in changed:
+            assert before.models is None and after.models is not None and len(after.models) == 1
+            assert (after.cpu_milli, after.num_gpu, after.gpu_milli) == (before.cpu_milli, before.num_gpu,
+                                                                          before.gpu_milli)
+            widest = max(n.gpus for n in raw if bench.MODEL_MAP[n.model] in after.models)
+            assert widest >= after.num_gpu  # never restricted to a model whose nodes are too small for it
+        # tasks already restricted, and CPU-only tasks, are left as they were
+        assert all(u == t for t, u in zip(tasks, out, strict=True) if t.models is not None or not t.num_gpu)
+    many = [bench.Task(f"t{i}", 1000, 1024, 1, 500) for i in range(4000)]
+    drawn = bench.restrict_to_models(many, raw, 1.0, "draw", "gpus")
+    share = sum(1 for t in drawn if t.models == frozenset({"H100-80GB"})) / len(many)
+    assert abs(share - 8 / 15) < 0.05  # G3 holds 8 of the 15 GPUs
+    by_node = bench.restrict_to_models(many, raw, 1.0, "draw", "nodes")
+    assert abs(sum(1 for t in by_node if t.models == frozenset({"H100-80GB"})) / len(many) - 1 / 4) < 0.05
+    assert len(bench.load_tasks(trace_dir, "gpuspec33")) == len(tasks)
+
+
+def test_store_replay_places_through_the_controller(trace_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "outer"))
+    catalog = load_catalog()
+    nodes = bench.load_nodes(trace_dir)
+    tasks = bench.load_tasks(trace_dir, "default")
+    with bench.StoreReplay(catalog, "vgpu-equal", nodes, tasks) as store:
+        assert store.models[0] == "H100-80GB"  # the model with the most GPUs is tried first
+        pools = {p["name"]: p for p in store.ctl.pools()}
+        assert set(pools) == {"gpu-h100-80gb", "gpu-a100-80gb", "gpu-t4", "gpu-v100-32gb"}
+        assert all(p["policy"] == "pack" and p["demand"] for p in pools.values())
+        took = store.place(bench.Task("x", 2000, 4096, 2, 1000))
+        assert took == 2.0
+        vms = store.ctl.list_vms()
+        assert len(vms) == 1 and vms[0].pool == "gpu-h100-80gb" and len(vms[0].devices) == 2
+        assert store.place(bench.Task("t4", 1000, 1024, 1, 300, frozenset({"T4"}))) == 0.5  # T4-8C
+        assert store.place(bench.Task("big", 10**7, 1024, 1, 300)) is None  # no host has the vCPUs
+        assert len(store.ctl.list_vms()) == 2
+    assert bench.os.environ["VGPU_CTL_STATE_DIR"] == str(tmp_path / "outer")
+
+
+def test_store_mode_reports_the_store_beside_the_pure_policy(trace_dir: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(trace_dir), "--trace", "default", "--modes", "vgpu-equal,mig", "--policies", "pack",
+                       "--seeds", "3", "--jobs", "1", "--store", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["policy"]) for r in data["rows"]] == [("vgpu-equal", "pack"), ("mig", "pack")]
+    assert [r["mode"] for r in data["store"]] == ["vgpu-equal", "mig"]
+    replays = sorted(r["replay"] for r in data["runs"])
+    assert replays == ["pure", "pure", "pure-first", "pure-first", "store", "store"]
+    for row in data["store"]:
+        assert 0 < row["store"] <= 100 and 0 < row["pure_first"] <= 100
+        assert row["gap"] == pytest.approx(row["store"] - row["pure_first"])
+        assert row["within"] == (abs(row["gap"]) <= bench.STORE_GAP)
