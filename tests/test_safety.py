@@ -158,3 +158,75 @@ def test_a_tenant_token_may_not_run_init(state_dir: Path, sqlite_url: str) -> No
         t.close()
     assert store_snapshot(c) == before
     c.close()
+
+
+# -- 3: inventory URIs -------------------------------------------------------------------------------------
+
+BAD_URIS = [
+    "qemu+ext:///system?command=/tmp/x.sh",
+    "qemu+ssh://root@h;touch /tmp/p/system",
+    "qemu+ssh://root@h/system?netcat=nc|sh",
+    "qemu+ssh://root@h/system?keyfile=$(id)",
+    "qemu+ssh://root@h/system?keyfile=`id`",
+    "qemu+ssh://root@h/system?command=/bin/sh",
+    "qemu+ssh://root@h/system?socket=/tmp/x&netcat=/tmp/x",
+    "qemu+ssh://root@h/system?no_verify=1",
+    "qemu+ssh://root@h/system#frag",
+    "qemu+ssh://-oProxyCommand=x/system",
+    "qemu+ssh://root@h:22x/system",
+    "qemu+tcp://h/system",
+    "qemu+libssh2://h/system?known_hosts_verify=ignore",
+    "qemu:///system\n",
+    "qemu://h/../../etc",
+    "xen:///system",
+    "lxc:///",
+    "test:///default?x=1",
+    "simulated:///a;b",
+]
+GOOD_URIS = [
+    "qemu:///system", "qemu:///session", "qemu+ssh://root@kvm1/system", "qemu+ssh://kvm1.example.com:2222/system",
+    "qemu+ssh://root@10.0.0.5/system?keyfile=/root/.ssh/id_ed25519&known_hosts=/etc/vgpu/known_hosts",
+    "qemu+tls://kvm1/system?pkipath=/etc/pki/vgpu", "qemu+ssh://root@[fd00::5]/system", "qemu+unix:///system",
+    "qemu+libssh2://root@kvm1/system?sshauth=privkey&known_hosts=/etc/vgpu/known_hosts", "test:///default",
+    "test:///var/lib/vgpu/node.xml", "simulated:///kvm-a100-01",
+]
+
+
+def _host_yaml(uri: str) -> str:
+    import json
+    return (f"hosts:\n  - name: h1\n    uri: {json.dumps(uri)}\n    driver: libvirt\n"
+            "    vcpus: 8\n    memory_mib: 8192\n")
+
+
+@pytest.mark.parametrize("uri", BAD_URIS)
+def test_inventory_uri_outside_the_allowed_transports_and_keys_is_refused(tmp_path: Path, uri: str) -> None:
+    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.errors import InventoryError
+    from vgpu_ctl.inventory import parse_inventory
+    path = tmp_path / "inv.yaml"
+    path.write_text(_host_yaml(uri))
+    with pytest.raises(InventoryError, match=r"field hosts\[0\]\.uri") as err:
+        parse_inventory(path, load_catalog())
+    assert err.value.exit_code == 2
+
+
+@pytest.mark.parametrize("uri", GOOD_URIS)
+def test_inventory_uri_a_controller_needs_is_accepted(tmp_path: Path, uri: str) -> None:
+    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.inventory import parse_inventory
+    path = tmp_path / "inv.yaml"
+    path.write_text(_host_yaml(uri))
+    assert parse_inventory(path, load_catalog()).hosts[0].uri == uri
+
+
+def test_inventory_apply_with_a_command_uri_changes_nothing(state_dir: Path, sqlite_url: str, tmp_path: Path) -> None:
+    c = Controller(sqlite_url)
+    before = store_snapshot(c)
+    path = tmp_path / "inv.yaml"
+    path.write_text(_host_yaml(BAD_URIS[0]))
+    result = _cli(sqlite_url, "inventory", "apply", str(path))
+    assert result.exit_code == 2 and "uri" in result.output
+    assert store_snapshot(c) == before
+    result = _cli(sqlite_url, "host", "discover", BAD_URIS[0])
+    assert result.exit_code == 2 and "uri" in result.output, result.output
+    c.close()

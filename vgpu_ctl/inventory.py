@@ -17,7 +17,60 @@ from vgpu_ctl.errors import InvalidInput, InventoryError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 PCI_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-URI_RE = re.compile(r"^(simulated|test|qemu|qemu\+[a-z]+|xen|lxc)://[^\s<>\"'`]*$")
+# What a controller needs of libvirt URIs: the KVM driver, locally or over an authenticated, encrypted
+# transport; libvirt's test driver; simulated hosts. Never `ext` (it runs a command), never `tcp` (no
+# encryption, no authentication), and of the query keys only those that choose a key, a known-hosts file, a
+# certificate folder, an SSH auth method or the daemon mode; not `command`, `netcat`, `socket`, `proxy`,
+# `no_verify`. Each part of the URI is checked against its own grammar, so `;`, `|`, `$(...)`, quotes,
+# spaces and newlines pass nowhere.
+URI_TRANSPORTS = ("qemu", "qemu+unix", "qemu+ssh", "qemu+libssh", "qemu+libssh2", "qemu+tls", "test", "simulated")
+URI_QUERY_KEYS = ("keyfile", "known_hosts", "pkipath", "sshauth", "no_tty", "mode")
+_URI = re.compile(r"(?P<scheme>[a-z0-9+]+)://(?:(?P<user>[a-z_][a-z0-9_.-]{0,31})@)?"
+                  r"(?P<host>[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\])?(?::(?P<port>[0-9]{1,5}))?"
+                  r"(?P<path>/[A-Za-z0-9_./-]*)(?:\?(?P<query>[^#]*))?")
+_URI_VALUE = re.compile(r"[A-Za-z0-9_./,:@+-]{1,255}")
+_URI_VALUES = {"sshauth": re.compile(r"(agent|privkey|password|keyboard-interactive)(,(agent|privkey|password|"
+                                     r"keyboard-interactive))*"),
+               "no_tty": re.compile(r"[01]"), "mode": re.compile(r"auto|legacy|direct")}
+
+
+def check_uri(field: str, value: str) -> str:
+    """A libvirt URI a controller may open (URI_TRANSPORTS, URI_QUERY_KEYS); InvalidInput naming the field,
+    the value and what is wrong if not."""
+    def bad(why: str) -> InvalidInput:
+        return InvalidInput(f"{field} {value!r} is not an allowed host URI: {why} (allowed transports: "
+                            f"{', '.join(URI_TRANSPORTS)}; query keys: {', '.join(URI_QUERY_KEYS)})",
+                            reasons=[{"field": field, "value": value, "error": why}])
+
+    m = _URI.fullmatch(value)
+    if m is None:
+        raise bad("it does not read as transport://[user@]host[:port]/path[?key=value&...] with plain names")
+    scheme, host, path = m["scheme"], m["host"], m["path"]
+    if scheme not in URI_TRANSPORTS:
+        raise bad(f"transport {scheme!r} is not allowed")
+    if ".." in path.split("/"):
+        raise bad("'..' in the path")
+    if scheme.startswith("qemu") and path not in ("/system", "/session"):
+        raise bad("a qemu URI ends in /system or /session")
+    if scheme in ("qemu", "qemu+unix", "test", "simulated") and (host or m["user"] or m["port"]):
+        raise bad(f"a {scheme} URI names no remote host")
+    if scheme in ("qemu+ssh", "qemu+libssh", "qemu+libssh2", "qemu+tls") and not host:
+        raise bad(f"a {scheme} URI names its host")
+    if m["port"] is not None and not 0 < int(m["port"]) < 65536:
+        raise bad(f"port {m['port']} is not 1-65535")
+    if scheme in ("test", "simulated") and m["query"] is not None:
+        raise bad(f"a {scheme} URI takes no query")
+    seen: set[str] = set()
+    for part in (m["query"] or "").split("&") if m["query"] is not None else ():
+        key, eq, val = part.partition("=")
+        if key not in URI_QUERY_KEYS:
+            raise bad(f"query key {key!r} is not allowed")
+        if key in seen:
+            raise bad(f"query key {key!r} given twice")
+        seen.add(key)
+        if not eq or not (_URI_VALUES.get(key) or _URI_VALUE).fullmatch(val) or ".." in val.split("/"):
+            raise bad(f"the value of {key!r} is not a plain name or path")
+    return value
 
 
 def check_name(field: str, value: str) -> str:
@@ -126,10 +179,11 @@ class HostDecl(_Named):
     @field_validator("uri")
     @classmethod
     def _uri(cls, v: str) -> str:
-        if not URI_RE.match(v):
-            raise ValueError(f"{v!r} is not a libvirt URI (e.g. qemu+ssh://root@host/system, test:///default, "
-                             "simulated:///name)")
-        return v
+        try:
+            return check_uri("uri", v)
+        except InvalidInput as exc:
+            raise ValueError(exc.message.removeprefix(f"uri {v!r} is not an allowed host URI: ")
+                             + " (e.g. qemu+ssh://root@host/system, test:///default, simulated:///name)") from None
 
     @field_validator("labels")
     @classmethod

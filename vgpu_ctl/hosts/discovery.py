@@ -156,7 +156,10 @@ def _check_gpu(dev: _PciDevice, catalog: Catalog, has_mdevs: bool,
 
 def discover_host(uri: str, catalog: Catalog, name: str | None = None, side: HostSide | None = None) -> Discovery:
     """Connect to `uri` and describe its NVIDIA GPUs and vGPU types against the catalog; with the host's `side`,
-    also the vendor-VFIO type ids and NVML's MIG profile ids and MIG mode."""
+    also the vendor-VFIO type ids and NVML's MIG profile ids and MIG mode. InvalidInput for a URI outside
+    what a controller may open (see inventory.check_uri)."""
+    from vgpu_ctl.inventory import check_uri
+    check_uri("uri", uri)
     conn = open_libvirt(uri, name or uri)
     try:
         with libvirt_errors(name or uri, "discovering devices"):
