@@ -125,8 +125,10 @@ class Controller:
         self._writers = WriterQueue.for_engine(self.engine)
         self.catalog = catalog or load_catalog()
         self.state_path = state_path or state_dir()
-        if init:
-            self.init()
+        if init and token is None:  # a tenant opens the store as it is; the admin upgrades it
+            self._upgrade(refresh_fit_masks=False)
+        elif init:
+            migrate.require_head(self.engine)
         from vgpu_ctl.service.hosts import HostFactory
         self.hosts = host_factory or HostFactory(self.state_path)
         self.principal = self._principal(token, actor)
@@ -135,7 +137,11 @@ class Controller:
 
     def init(self, refresh_fit_masks: bool = False) -> str:
         """Create or upgrade the store's schema and bring the GPUs' fit masks up to date with the catalog
-        (all of them recomputed with `refresh_fit_masks`); the revision it is at."""
+        (all of them recomputed with `refresh_fit_masks`); the revision it is at. Admin only."""
+        self._admin("init")
+        return self._upgrade(refresh_fit_masks)
+
+    def _upgrade(self, refresh_fit_masks: bool) -> str:
         migrate.upgrade(self.engine)
         ensure_fit_masks(self.engine, self.catalog, force=refresh_fit_masks)
         return migrate.head_revision()
@@ -160,8 +166,11 @@ class Controller:
             self._writers.close()
 
     def _principal(self, token: str | None, actor: str | None) -> Principal:
-        if not token:
+        if token is None:
             return Principal(actor or "admin")
+        if not token.strip():
+            raise PermissionDenied("the tenant token is empty; give a tenant's token, or none to act as the admin",
+                                   reasons=[{"field": "token", "value": token}])
         with self.engine.connect() as conn:
             row = conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)
                                .where(alloc.TENANT.c.token_hash == hash_token(token))).first()
