@@ -3,6 +3,7 @@ must do now. Bad input ends in InvalidInput naming the field, with nothing chang
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,49 @@ def test_inventory_apply_with_a_command_uri_changes_nothing(state_dir: Path, sql
     result = _cli(sqlite_url, "host", "discover", BAD_URIS[0])
     assert result.exit_code == 2 and "uri" in result.output, result.output
     c.close()
+
+
+# -- 6: names with a trailing newline ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["t-alpha\n", "t-alpha\r\n", "\nt-alpha"])
+def test_tenant_name_with_a_newline_is_refused(acme: Controller, name: str) -> None:
+    from vgpu_ctl import InvalidInput
+    acme.create_tenant("t-alpha")
+    before = store_snapshot(acme)
+    with pytest.raises(InvalidInput, match="tenant") as err:
+        acme.create_tenant(name)
+    assert err.value.reasons[0] == {"field": "tenant", "value": name}
+    assert store_snapshot(acme) == before
+
+
+def test_cli_tenant_name_with_a_newline_exits_2(state_dir: Path, sqlite_url: str) -> None:
+    Controller(sqlite_url).close()
+    assert _cli(sqlite_url, "tenant", "create", "t-alpha").exit_code == 0
+    result = _cli(sqlite_url, "tenant", "create", "t-alpha\n")
+    assert result.exit_code == 2 and "tenant" in result.output
+
+
+@pytest.mark.parametrize("field,text", [
+    ("hosts[0].name", "hosts:\n  - {name: \"h1\\n\", uri: \"simulated:///h1\", driver: simulated, vcpus: 8, "
+                      "memory_mib: 8192}\n"),
+    ("pools[0].name", "pools:\n  - {name: \"p1\\n\"}\n"),
+    ("hosts[0].gpus[0].pci", "hosts:\n  - {name: h1, uri: \"simulated:///h1\", driver: simulated, vcpus: 8, "
+                             "memory_mib: 8192, gpus: [{pci: \"0000:41:00.0\\n\", model: A100-80GB}]}\n"),
+])
+def test_inventory_names_with_a_newline_are_refused(tmp_path: Path, field: str, text: str) -> None:
+    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.errors import InventoryError
+    from vgpu_ctl.inventory import parse_inventory
+    path = tmp_path / "inv.yaml"
+    path.write_text(text)
+    with pytest.raises(InventoryError, match=f"field {re.escape(field)}"):
+        parse_inventory(path, load_catalog())
+
+
+def test_pci_address_with_a_newline_is_refused() -> None:
+    from vgpu_ctl import InvalidInput
+    from vgpu_ctl.render import PciAddress
+    assert str(PciAddress.parse("0000:41:00.0")) == "0000:41:00.0"
+    with pytest.raises(InvalidInput, match="PCI address"):
+        PciAddress.parse("0000:41:00.0\n")

@@ -15,8 +15,8 @@ from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import Mode, geometry_for, parse_mig_layout
 from vgpu_ctl.errors import InvalidInput, InventoryError
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-PCI_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # whole strings only: fullmatch
+PCI_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 # What a controller needs of libvirt URIs: the KVM driver, locally or over an authenticated, encrypted
 # transport; libvirt's test driver; simulated hosts. Never `ext` (it runs a command), never `tcp` (no
 # encryption, no authentication), and of the query keys only those that choose a key, a known-hosts file, a
@@ -75,7 +75,7 @@ def check_uri(field: str, value: str) -> str:
 
 def check_name(field: str, value: str) -> str:
     """A safe identifier (lower-case letters, digits, `_ . -`, at most 63); InvalidInput naming the field if not."""
-    if not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InvalidInput(f"{field} {value!r} is not a safe name: use lower-case letters, digits, '_', '.', '-' "
                            "(at most 63, starting with a letter or digit)",
                            reasons=[{"field": field, "value": value}])
@@ -94,7 +94,7 @@ class _Named(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a safe name (lower-case letters, digits, '_', '.', '-')")
         return v
 
@@ -157,7 +157,7 @@ class GpuDecl(_Strict):
         v = v.lower()
         if len(v) == 7:
             v = "0000:" + v
-        if not PCI_RE.match(v):
+        if not PCI_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a PCI address like 0000:41:00.0")
         return v
 

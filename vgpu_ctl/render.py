@@ -25,9 +25,9 @@ MDEV_TEMPLATE = "mdev.xml.j2"
 
 # XML 1.0 cannot carry C0/C1 controls (tab and newline aside), surrogates, U+FFFE or U+FFFF.
 _NOT_XML = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
-_PCI = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])$")
-_MDEV_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_NODEDEV_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+_PCI = re.compile(r"^([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])\Z")
+_MDEV_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+_NODEDEV_NAME = re.compile(r"^[A-Za-z0-9_]+\Z")
 
 
 def _xml_value(value: Any) -> Any:

@@ -20,7 +20,7 @@ from vgpu_ctl.hosts.nodedev import host_error, open_libvirt
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
 from vgpu_ctl.render import PciAddress, parse_xml, read_metadata
 
-_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0000:41:00.4)
 
 State = dict[str, dict[str, dict[str, Any]]]

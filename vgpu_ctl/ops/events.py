@@ -11,7 +11,7 @@ from vgpu_ctl.errors import InvalidInput, NotFound
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$", re.IGNORECASE)
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*\Z", re.IGNORECASE)
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
