@@ -16,6 +16,10 @@ python3 -c 'import sysconfig,os,sys; sys.exit(0 if os.path.exists(os.path.join(s
   || need+=(python3-dev)
 if [ "$dev" = 1 ]; then
   dpkg -s postgresql >/dev/null 2>&1 || command -v pg_ctlcluster >/dev/null || need+=(postgresql)
+  # real libvirtd + KVM for the host tests (guests need /dev/kvm); dnsmasq-base runs the default network
+  for p in libvirt-daemon-system libvirt-daemon-driver-qemu qemu-system-x86 qemu-utils libvirt-clients dnsmasq-base; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+  done
 fi
 if [ ${#need[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then

@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh --dev
 source scripts/postgres.sh
 ensure_postgres
+source scripts/libvirtd.sh
+ensure_libvirtd
 export VGPU_CTL_TEST_PG_URL
 export VGPU_CTL_TEST_PG="${VGPU_CTL_TEST_PG_URL%/*}"  # server part, for tests that make their own databases
 .venv/bin/pytest -q "$@"

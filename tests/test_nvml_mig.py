@@ -299,3 +299,11 @@ def test_default_binding_is_pynvml() -> None:
 
     assert NvmlMig()._nvml is pynvml
     assert H100_80GB.memory_slices == 8 and A30_24GB.memory_slices == 4
+
+
+def test_a_host_without_the_nvidia_driver_lists_no_instances_but_refuses_creates(fake: FakeNvml) -> None:
+    fake.driver_loaded = False
+    mig = NvmlMig(fake)
+    assert mig.list_devices() == []
+    with raises(HostError, "NVIDIA driver not loaded (NVML unavailable)"):
+        mig.create(spec(P3G, 0))

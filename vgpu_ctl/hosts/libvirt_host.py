@@ -8,6 +8,7 @@ from typing import Any
 import libvirt
 
 from vgpu_ctl.errors import HostError
+from vgpu_ctl.hosts.disks import delete_overlays, ensure_overlays
 from vgpu_ctl.hosts.nodedev import (
     DeviceBackend,
     LibvirtNodeDeviceApi,
@@ -163,10 +164,22 @@ class LibvirtHost:
                 return None
             raise host_error(self.name, f"looking up domain {name}", exc) from None
 
+    def _runs_guests(self) -> bool:
+        """Whether the connection runs real guests with real disks (libvirt's test driver does not)."""
+        with libvirt_errors(self.name, "reading the hypervisor type"):
+            return str(self._connection().getType()).upper() != "TEST"
+
     def define_domain(self, xml: str) -> str:
-        """Define (or redefine) a persistent domain; returns its UUID."""
-        with libvirt_errors(self.name, "defining domain"):
-            return str(self._connection().defineXML(xml).UUIDString())
+        """Define (or redefine) a persistent domain, after creating its overlay disk on the host if it lacks
+        one; returns its UUID."""
+        made = ensure_overlays(self._connection(), self.name, xml) if self._runs_guests() else []
+        try:
+            with libvirt_errors(self.name, "defining domain"):
+                return str(self._connection().defineXML(xml).UUIDString())
+        except HostError:
+            if made:
+                delete_overlays(self._connection(), self.name, xml)
+            raise
 
     def start_domain(self, name: str) -> None:
         """Start a defined domain (idempotent)."""
@@ -192,7 +205,8 @@ class LibvirtHost:
                 dom.shutdown()
 
     def undefine_domain(self, name: str) -> None:
-        """Stop if needed and undefine (idempotent: absent is fine)."""
+        """Stop if needed and undefine; a controller's domain also loses its overlay disks (idempotent: absent
+        is fine)."""
         dom = self._lookup(name)
         if dom is None:
             return
@@ -200,9 +214,12 @@ class LibvirtHost:
             if dom.isActive():
                 dom.destroy()
             flags = libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
-            if parse_xml(dom.XMLDesc(0)).find("os/nvram") is not None:
+            xml = dom.XMLDesc(0)
+            if parse_xml(xml).find("os/nvram") is not None:
                 flags |= libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
             dom.undefineFlags(flags)
+        if read_metadata(xml) and self._runs_guests():  # only the controller's own domains' overlays
+            delete_overlays(self._connection(), self.name, xml)
 
     def list_domains(self) -> list[DomainInfo]:
         """Every domain on the host, with the controller's metadata where it wrote one."""

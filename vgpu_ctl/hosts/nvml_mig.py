@@ -216,10 +216,18 @@ class NvmlMig:
 
     def list_devices(self) -> list[HostDevice]:
         """Every GPU instance on every MIG-enabled GPU of the host, with its profile name and the controller's
-        uuid where this backend made it."""
+        uuid where this backend made it (none on a host without the NVIDIA driver: no instance can exist)."""
         out: list[HostDevice] = []
         uuids = {(e["gpu"], e["profile_id"], e["start"]): u for u, e in self._state().items()}
-        for g in self.gpus():
+        n = self._nvml
+        try:
+            gpus = self.gpus()
+        except HostError as exc:
+            absent = (n.NVML_ERROR_DRIVER_NOT_LOADED, n.NVML_ERROR_LIBRARY_NOT_FOUND)
+            if any(r.get("nvml_error") in absent for r in exc.reasons):
+                return []
+            raise
+        for g in gpus:
             if not g["mig_current"]:
                 continue
             gpu = g["pci_bus_id"]

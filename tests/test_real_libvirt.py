@@ -1,0 +1,191 @@
+"""Against a real libvirtd and KVM (qemu:///system): tiny guests (64 MiB, a 1 MiB qcow2 base) created,
+run, stopped and deleted through the Controller, leaving nothing behind; an mdev hostdev refused by the real
+QEMU driver; reconcile against real domains. Skipped only where /dev/kvm is absent.
+
+The controller refuses a VM without vGPUs, so the running guests hold a vGPU on the emulated GPU whose
+hostdev their pool's template leaves out (`nogpu.xml.j2`: the project's template without its hostdev loop);
+everything else (device step, overlay disk, domain, metadata, power, release) is the real path."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import uuid as uuidlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+from hostfixtures import RecordingNodeDevices  # noqa: E402
+
+from vgpu_ctl import Controller  # noqa: E402
+from vgpu_ctl.errors import HostError  # noqa: E402
+from vgpu_ctl.service.hosts import HostFactory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+URI = "qemu:///system"
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="no /dev/kvm: real KVM guests cannot run")
+
+INVENTORY = """\
+pools:
+  - {name: kvm}
+  - {name: nogpu, template: nogpu.xml.j2}
+hosts:
+  - name: kvm-real
+    uri: "qemu:///system"
+    vcpus: 4
+    memory_mib: 4096
+    gpus:
+      - {pci: "0000:41:00.0", model: A100-80GB, mode: vgpu-equal, pool: kvm}
+      - {pci: "0000:42:00.0", model: A100-80GB, mode: vgpu-equal, pool: nogpu}
+"""
+HOSTDEV_LOOP = "{%- for h in hostdevs %}\n{%- if h.backing.value == 'mdev' %}"
+
+
+def _nogpu_template(folder: Path) -> None:
+    """The project's domain template with its hostdev loop cut out."""
+    text = (ROOT / "templates" / "domain.xml.j2").read_text()
+    start = text.index(HOSTDEV_LOOP)
+    end = text.index("{%- endfor %}", text.index("</hostdev>", text.rindex("<hostdev", start))) + len("{%- endfor %}")
+    (folder / "nogpu.xml.j2").write_text(text[:start] + text[end:])
+
+
+@pytest.fixture(scope="module")
+def libvirtd() -> Any:
+    """A connection to qemu:///system, with the daemons and the default network started if they were not."""
+    subprocess.run(["bash", "-c", "source scripts/libvirtd.sh && ensure_libvirtd"], cwd=ROOT, check=True,
+                   timeout=120)
+    import libvirt
+    conn = libvirt.open(URI)
+    yield conn
+    conn.close()
+
+
+class Real:
+    """A Controller whose one host is this machine's libvirtd; the GPU side (node devices) emulated."""
+
+    def __init__(self, conn: Any) -> None:
+        # QEMU runs as libvirt-qemu: the images folder must be reachable by it, so not under pytest's 0700 tmp
+        self.dir = Path(tempfile.mkdtemp(prefix="vgpuctl-kvm-", dir="/var/tmp"))
+        self.dir.chmod(0o755)
+        self.conn = conn
+        self.images = self.dir / "state" / "images"
+        self.images.mkdir(parents=True)
+        self.dir.joinpath("state").chmod(0o755)
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(self.images / "base.qcow2"), "1M"],
+                       check=True)
+        self.nodedev = RecordingNodeDevices()
+        _nogpu_template(self.dir)
+        factory = HostFactory(self.dir / "state", template_dirs=(self.dir,), nodedevs=lambda h: self.nodedev)
+        self.ctl = Controller(f"sqlite:///{self.dir / 'store.db'}", state_path=self.dir / "state",
+                              host_factory=factory)
+        inv = self.dir / "inventory.yaml"
+        inv.write_text(INVENTORY)
+        self.changes = self.ctl.apply_inventory(inv)
+        self.ctl.create_tenant("acme")
+        from vgpu_ctl.service.allocation import GPU
+        from vgpu_ctl.service.host_types import _replace
+
+        # the GPU side is emulated: the type ids an earlier discovery would have recorded; mdev calls recorded
+        with self.ctl.tx() as conn:
+            for gpu_id in conn.execute(GPU.select().with_only_columns(GPU.c.id)).scalars():
+                _replace(conn, gpu_id, {"mdev": {"A100D-10C": "nvidia-558"}})
+
+    def domains(self) -> set[str]:
+        return {d.name() for d in self.conn.listAllDomains(0)}
+
+    def mine(self) -> set[str]:
+        """Domains of this test's controller (by the VM id suffix of their names)."""
+        ids = {v.id[:8] for v in self.ctl.list_vms()}
+        return {n for n in self.domains() if n.rsplit("-", 1)[-1] in ids}
+
+    def close(self) -> None:
+        for vm in self.ctl.list_vms():
+            with contextlib.suppress(Exception):  # cleanup goes on; the domain is removed below
+                self.ctl.release_vm(vm.id)
+        for dom in self.conn.listAllDomains(0):
+            if dom.name().startswith("vgpuctl-test-") or str(self.dir) in dom.XMLDesc(0):
+                if dom.isActive():
+                    dom.destroy()
+                dom.undefine()
+        for pool in self.conn.listAllStoragePools(0):
+            if str(self.dir) in pool.XMLDesc(0):
+                pool.destroy()
+        self.ctl.close()
+        subprocess.run(["rm", "-rf", str(self.dir)], check=False)
+
+
+@pytest.fixture
+def real(libvirtd: Any) -> Iterator[Real]:
+    r = Real(libvirtd)
+    yield r
+    r.close()
+
+
+def _state(conn: Any, name: str) -> str:
+    import libvirt
+    dom = conn.lookupByName(name)
+    return "running" if dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING else f"state {dom.state()[0]}"
+
+
+def test_a_vm_runs_stops_and_leaves_nothing_behind(real: Real) -> None:
+    before = real.domains()
+    vm = real.ctl.request_vm("acme", "plain", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="nogpu")
+    assert vm.state == "running", vm.error
+    (name,) = real.domains() - before
+    assert name == f"plain-{vm.id[:8]}" and _state(real.conn, name) == "running"
+    overlay = real.images / f"{vm.id}.qcow2"
+    info = subprocess.run(["qemu-img", "info", "-U", str(overlay)], check=True, capture_output=True,
+                          text=True).stdout
+    assert f"backing file: {real.images / 'base.qcow2'}" in info
+    dom = real.conn.lookupByName(name)
+    assert "<model type='none'/>" in dom.XMLDesc(0) and "vgpu-ctl.dev/xmlns/vm/1" in dom.XMLDesc(0)
+    assert "<hostdev" not in dom.XMLDesc(0)
+    real.ctl.stop_vm(vm.id, force=True)
+    assert real.ctl.get_vm(vm.id).state == "stopped" and not dom.isActive()
+    real.ctl.start_vm(vm.id)
+    assert dom.isActive()
+    real.ctl.release_vm(vm.id)
+    assert real.domains() == before
+    assert not overlay.exists() and (real.images / "base.qcow2").exists()
+    assert real.ctl.list_vms() == [] and real.nodedev.mdevs == {}
+
+
+def test_an_mdev_hostdev_is_defined_and_the_real_qemu_driver_refuses_it_clearly(real: Real) -> None:
+    before = real.domains()
+    with pytest.raises(HostError) as err:
+        real.ctl.request_vm("acme", "gpu", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="kvm")
+    vm = real.ctl.get_vm("gpu")
+    assert f"starting domain gpu-{vm.id[:8]} failed" in err.value.message
+    assert "Mediated host device assignment requires VFIO support" in err.value.message
+    assert err.value.exit_code == 6
+    assert real.nodedev.names() == ["define", "start", "set_autostart", "destroy", "undefine"]
+    assert vm.state == "failed" and real.domains() == before and not (real.images / f"{vm.id}.qcow2").exists()
+
+
+def test_reconcile_against_real_domains(real: Real) -> None:
+    vm = real.ctl.request_vm("acme", "rec", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="nogpu")
+    name = f"rec-{vm.id[:8]}"
+    foreign = f"vgpuctl-test-{uuidlib.uuid4().hex[:8]}"
+    real.conn.defineXML(f"<domain type='kvm'><name>{foreign}</name><memory unit='MiB'>64</memory>"
+                        "<os><type arch='x86_64' machine='q35'>hvm</type></os></domain>")
+    report = real.ctl.reconcile()
+    kinds = {(f.kind, f.target) for f in report.findings}
+    assert ("foreign-domain", foreign) in kinds
+    assert not [f for f in report.findings if f.kind != "foreign-domain"]
+    real.conn.lookupByName(name).destroy()  # behind the controller's back
+    real.conn.lookupByName(name).undefine()
+    report = real.ctl.reconcile(fix=True)
+    lost = [f for f in report.findings if f.kind == "lost-vm"]
+    assert len(lost) == 1 and lost[0].fixed, lost
+    assert _state(real.conn, name) == "running"
+    assert real.conn.lookupByName(foreign).isActive() == 0  # a foreign domain is left alone
