@@ -277,3 +277,30 @@ def test_pci_address_with_a_newline_is_refused() -> None:
     assert str(PciAddress.parse("0000:41:00.0")) == "0000:41:00.0"
     with pytest.raises(InvalidInput, match="PCI address"):
         PciAddress.parse("0000:41:00.0\n")
+
+
+# -- 8: template names are checked before the claim --------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", ["nope.xml.j2", "../domain.xml.j2", "domain.txt", "domain.xml.j2\n"])
+def test_bad_template_is_refused_before_the_claim(acme: Controller, template: str) -> None:
+    from vgpu_ctl import InvalidInput
+    before = store_snapshot(acme)
+    with pytest.raises(InvalidInput, match="template") as err:
+        req(acme, "job1", template=template)
+    assert err.value.reasons[0]["field"] == "template"
+    assert store_snapshot(acme) == before  # no VM holding the name, no claim, no event
+    assert req(acme, "job1").state == "running"  # the name is still free
+
+
+def test_cli_bad_template_exits_2(state_dir: Path, sqlite_url: str) -> None:
+    c = Controller(sqlite_url)
+    from conftest import DEMO
+    c.apply_inventory(DEMO)
+    c.create_tenant("acme")
+    before = store_snapshot(c)
+    result = _cli(sqlite_url, "vm", "create", "--tenant", "acme", "--name", "job1", "--profile", "A100D-10C",
+                  "--vcpus", "2", "--memory", "4GiB", "--template", "nope.xml.j2")
+    assert result.exit_code == 2 and "template" in result.output, result.output
+    assert store_snapshot(c) == before
+    c.close()

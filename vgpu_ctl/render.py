@@ -176,6 +176,15 @@ class TemplateRenderer:
             finalize=_xml_value,
         )
 
+    def check_template(self, template: str) -> None:
+        """InvalidInput naming the template unless it is a plain `*.xml.j2` name found in the template folders."""
+        check_template_name(template)
+        try:
+            self.env.loader.get_source(self.env, template)  # type: ignore[union-attr]
+        except jinja2.TemplateNotFound:
+            raise InvalidInput(f"template {template!r} is not in the template folders",
+                               reasons=[{"field": "template", "value": template}]) from None
+
     def _render(self, template: str, values: Mapping[str, Any]) -> str:
         check_template_name(template)
         try:

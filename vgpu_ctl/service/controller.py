@@ -396,6 +396,8 @@ class Controller:
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
                         idempotency_key, template, lease_holder=new_holder() if provision and not dry_run else None)
         req.validate()
+        if template is not None:  # before the claim: a bad name changes nothing
+            self.hosts.renderer.check_template(template)
         try:
             claimed = self._claim(req, dry_run)
         except Refused as exc:
