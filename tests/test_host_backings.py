@@ -334,3 +334,22 @@ def test_vendor_vfio_uses_the_discovered_id(fleet: Fleet) -> None:
     fleet.ctl.apply_inventory(fleet.inventory)  # discovery again: the new id is recorded and used
     _vm(fleet, "vf3", "H200-35C", "vf")
     assert fleet.vf_types()["0000:41:00.4"] == 1500
+
+
+def test_host_discover_write_fills_the_store(fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from vgpu_ctl.cli.main import app
+    from vgpu_ctl.service.host_types import TYPE_ID
+    with fleet.ctl.tx() as conn:
+        conn.execute(TYPE_ID.delete())
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "cli-state"))
+    out = CliRunner().invoke(app, ["--db", str(fleet.ctl.engine.url), "host", "discover", fleet.kvm1_uri,
+                                   "--name", "kvm1", "--write", str(tmp_path / "kvm1.yaml")])
+    assert out.exit_code == 0, out.output
+    assert "store: record type-ids kvm1/0000:41:00.0: mdev=2" in out.output
+    from vgpu_ctl.service.host_types import stored_ids
+    with fleet.ctl.engine.connect() as conn:
+        gpu_id = conn.execute(TYPE_ID.select().with_only_columns(TYPE_ID.c.gpu_id)).scalars().first()
+        assert gpu_id is not None and stored_ids(conn, gpu_id)["mdev"]
+    assert "model: A100-80GB" in (tmp_path / "kvm1.yaml").read_text()

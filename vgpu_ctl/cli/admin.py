@@ -85,11 +85,13 @@ def host_discover(uri: str = typer.Argument(..., help="libvirt URI of the host."
                   as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Read a live host's GPUs and mdev types into inventory YAML, reporting every mismatch with the catalog."""
     from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.cli.host_check import record_written, side_for
     from vgpu_ctl.hosts.discovery import discover_host
     with handled(as_json):
-        found = discover_host(uri, load_catalog(), name)
+        found = discover_host(uri, load_catalog(), name, side_for(uri, name))
     if write is not None:
         write.write_text(found.to_yaml())
+        record_written(found, as_json)
     if as_json:
         print_json({"inventory": found.to_inventory(), "mismatches": found.mismatches})
         return

@@ -56,6 +56,8 @@ def _dispatch(side: HostSide, req: dict[str, Any]) -> Any:
     op = req.get("op")
     if op == "facts":
         return side.facts([str(g) for g in req.get("gpus", [])]).to_dict()
+    if op == "probe":
+        return side.probe()
     backend_name = req.get("backend")
     if backend_name not in BACKENDS:
         raise errors.InvalidInput(f"agent: unknown backend {backend_name!r} (known: {', '.join(BACKENDS)})")
@@ -210,6 +212,11 @@ class AgentHostSide:
     def facts(self, gpus: Sequence[str]) -> HostFacts:
         """The host's facts, read by the agent."""
         return HostFacts.from_dict(self.client.request("facts", gpus=list(gpus)))
+
+    def probe(self) -> dict[str, Any]:
+        """The host's preflight facts, read by the agent."""
+        out: dict[str, Any] = self.client.request("probe")
+        return out
 
 
 def remote_host_side(host: str, uri: str) -> HostSide:

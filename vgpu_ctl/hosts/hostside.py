@@ -61,15 +61,21 @@ class HostSide(Protocol):
         """What NVML and sysfs call each profile of these GPUs, and their MIG mode."""
         ...
 
+    def probe(self) -> dict[str, Any]:
+        """The raw facts a preflight judges (see hosts.preflight.probe), with MIG mode per GPU from NVML."""
+        ...
+
 
 class LocalHostSide:
     """HostSide in this process: NVML through `nvml` (pynvml by default) and sysfs under `sysfs_root`;
     which device is which VF or GPU instance is kept under `state_dir` (files named after `host` if given)."""
 
     def __init__(self, state_dir: Path, sysfs_root: Path = Path("/sys"), nvml: Any = None,
-                 host: str | None = None) -> None:
+                 host: str | None = None, proc_root: Path = Path("/proc"), dev_root: Path = Path("/dev")) -> None:
         self.state_dir = state_dir
         self.sysfs_root = sysfs_root
+        self.proc_root = proc_root
+        self.dev_root = dev_root
         self._nvml = nvml
         self._host = host
         self._mig: Any = None
@@ -122,6 +128,22 @@ class LocalHostSide:
             out.gpus[pci] = GpuFacts(pci, types, vfs, profiles, None if g is None else g["mig_current"],
                                      None if g is None else g["mig_pending"], g is not None)
         return out
+
+
+    def probe(self) -> dict[str, Any]:
+        """sysfs, procfs and PATH facts of this host, and NVML's MIG mode per GPU (or why NVML is silent)."""
+        from vgpu_ctl.hosts.nvml_mig import NvmlMig
+        from vgpu_ctl.hosts.preflight import probe
+
+        facts = probe(self.sysfs_root, self.proc_root, self.dev_root)
+        mig = self.mig()
+        assert isinstance(mig, NvmlMig)
+        facts["mig"], facts["notes"] = {}, []
+        try:
+            facts["mig"] = {g["pci_bus_id"]: g["mig_current"] for g in mig.gpus() if g["mig_current"] is not None}
+        except HostError as exc:
+            facts["notes"].append(exc.message)
+        return facts
 
 
 def _vfio_types(vfio: Any, pci: str) -> tuple[dict[str, int], int]:

@@ -163,3 +163,21 @@ def record_all(conn: Connection, catalog: Catalog, found: Mapping[str, Discovery
         else:
             changes.extend(record_discovery(conn, catalog, d))
     return changes
+
+
+def host_row(ctl: Controller, name: str) -> Any:
+    """The store's row of host `name` (name, uri, driver, vgpu_backing); NotFound naming the known hosts."""
+    from vgpu_ctl.errors import NotFound
+    with ctl.engine.connect() as conn:
+        row = conn.execute(select(HOST).where(HOST.c.name == name)).first()
+        if row is None:
+            known = ", ".join(r[0] for r in conn.execute(select(HOST.c.name).order_by(HOST.c.name)))
+            raise NotFound(f"host {name!r} not found (known: {known or 'none'}); give a libvirt URI to check a "
+                           "host that is not in the store", reasons=[{"field": "host", "value": name}])
+    return row
+
+
+def record_discovered(ctl: Controller, d: Discovery) -> list[Change]:
+    """Store a discovery's type ids if its host is in the store (`host discover --write`); the changes."""
+    with ctl.tx() as conn:
+        return record_discovery(conn, ctl.catalog, d)

@@ -1,0 +1,60 @@
+"""`vgpuctl host check NAME|URI`: the preflight of a host, each finding with what to do."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlsplit
+
+import typer
+
+from vgpu_ctl.cli.common import console, handled, print_json, run
+from vgpu_ctl.store.engine import state_dir
+
+
+def side_for(uri: str, name: str | None) -> Any:
+    """The host side (agent) of a host given by URI, as `host discover` and `host check` reach it."""
+    from vgpu_ctl.hosts.hostside import open_host_side
+    host = SimpleNamespace(name=name or urlsplit(uri).hostname or "localhost", uri=uri, vgpu_backing="mdev")
+    return open_host_side(host, state_dir())
+
+
+def record_written(found: Any, as_json: Any) -> list[dict[str, Any]]:
+    """`host discover --write`: store the discovered type ids when the host is in the store; print the changes
+    and findings unless output is for machines."""
+    from vgpu_ctl.service.host_types import record_discovered
+    changes: list[dict[str, Any]] = run(as_json, lambda c: record_discovered(c, found))
+    if not (as_json is True or str(as_json) in ("json", "yaml")):
+        for ch in changes:
+            console.print(f"store: {ch['action']} {ch['kind']} {ch['name']}: "
+                          + ", ".join(f"{k}={v}" for k, v in ch["fields"].items()))
+    return changes
+
+
+def host_check(target: str = typer.Argument(..., help="Host name in the store, or a libvirt URI."),
+               backing: str = typer.Option("mdev", help="For a URI: how its vGPUs are made (mdev or vfio)."),
+               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Check a host for vGPUs: libvirt and QEMU, IOMMU, vfio, NVIDIA driver, mdev bus or SR-IOV VFs, MIG mode,
+    mdevctl. Exit 1 when a check fails."""
+    from vgpu_ctl.hosts.hostside import open_host_side
+    from vgpu_ctl.hosts.preflight import check_host
+
+    if "://" in target:
+        host: Any = SimpleNamespace(name=urlsplit(target).hostname or "localhost", uri=target,
+                                    vgpu_backing=backing)
+    else:
+        from vgpu_ctl.service.host_types import host_row
+        host = run(as_json, lambda c: host_row(c, target))
+    with handled(as_json):
+        report = check_host(host.name, host.uri, open_host_side(host, state_dir()), host.vgpu_backing)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        colour = {"ok": "green", "warn": "yellow", "fail": "red"}
+        console.print(f"host {report.host} ({report.uri})")
+        for c in report.checks:
+            console.print(f"[{colour[c.status]}]{c.status:4}[/] {c.check}: {c.detail}")
+            if c.do:
+                console.print(f"     do: {c.do}")
+    if not report.ok:
+        raise typer.Exit(1)
