@@ -1,7 +1,9 @@
-"""`vgpuctl host check NAME|URI`: the preflight of a host, each finding with what to do."""
+"""`vgpuctl host check NAME|URI`: the preflight of a host, each finding with what to do; `vgpuctl agent call`:
+the host agent's end of the controller's requests."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
@@ -58,3 +60,18 @@ def host_check(target: str = typer.Argument(..., help="Host name in the store, o
                 console.print(f"     do: {c.do}")
     if not report.ok:
         raise typer.Exit(1)
+
+
+agent_app = typer.Typer(help="The host agent: runs on a GPU host, does its NVML and vendor-VFIO sysfs work.",
+                        no_args_is_help=True)
+
+
+@agent_app.command("call")
+def agent_call(state_dir_: Path = typer.Option(Path("/var/lib/vgpu-ctl"), "--state-dir",
+                                               help="Where the agent keeps which device is which VF or instance."),
+               sysfs_root: Path = typer.Option(Path("/sys"), help="The sysfs to read and write.")) -> None:
+    """Answer one JSON request read from stdin (what the controller sends over SSH); the answer on stdout."""
+    import sys
+
+    from vgpu_ctl.hosts.agent import serve_once
+    sys.stdout.write(serve_once(sys.stdin.read(), state_dir_, sysfs_root) + "\n")

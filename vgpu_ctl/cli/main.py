@@ -14,7 +14,7 @@ from vgpu_ctl.cli.admin import (
     tenant_app,
 )
 from vgpu_ctl.cli.common import STATE, console, print_json, run
-from vgpu_ctl.cli.host_check import host_check
+from vgpu_ctl.cli.host_check import agent_app, host_check
 from vgpu_ctl.cli.ops import register as register_ops
 from vgpu_ctl.cli.vm import vm_app
 
@@ -30,6 +30,7 @@ app.add_typer(vm_app, name="vm")
 register_ops(app)
 app.command("reconcile")(reconcile_cmd)
 host_app.command("check")(host_check)
+app.add_typer(agent_app, name="agent")
 
 
 @app.callback()
