@@ -353,3 +353,12 @@ def test_host_discover_write_fills_the_store(fleet: Fleet, tmp_path: Path, monke
         gpu_id = conn.execute(TYPE_ID.select().with_only_columns(TYPE_ID.c.gpu_id)).scalars().first()
         assert gpu_id is not None and stored_ids(conn, gpu_id)["mdev"]
     assert "model: A100-80GB" in (tmp_path / "kvm1.yaml").read_text()
+
+
+def test_an_unreachable_declared_host_is_a_finding_not_a_failure(fleet: Fleet, tmp_path: Path) -> None:
+    inv = tmp_path / "more.yaml"
+    inv.write_text(fleet.inventory.read_text().replace(fleet.kvm2_uri, f"test://{tmp_path}/missing.xml"))
+    changes = fleet.ctl.apply_inventory(inv)
+    (f,) = [c for c in changes if c["kind"] == "host-unreachable"]
+    assert f["name"] == "kvm2" and "connecting to test://" in f["fields"]["detail"]
+    assert "type ids stay as recorded before" in f["fields"]["do"]
