@@ -304,3 +304,97 @@ def test_cli_bad_template_exits_2(state_dir: Path, sqlite_url: str) -> None:
     assert result.exit_code == 2 and "template" in result.output, result.output
     assert store_snapshot(c) == before
     c.close()
+
+
+# -- 9: huge numbers, booleans, hostile YAML ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("vcpus", {"vcpus": 10**30}), ("memory_mib", {"memory_mib": 2**64}), ("vcpus", {"vcpus": True}),
+    ("memory_mib", {"memory_mib": True}), ("vcpus", {"vcpus": 2.0}), ("vcpus", {"vcpus": 2**21}),
+])
+def test_huge_or_boolean_vm_sizes_are_input_errors(acme: Controller, field: str, kw: dict[str, Any]) -> None:
+    from vgpu_ctl import InvalidInput
+    before = store_snapshot(acme)
+    with pytest.raises(InvalidInput, match=field) as err:
+        req(acme, "job1", **kw)
+    assert err.value.reasons[0]["field"] == field
+    assert store_snapshot(acme) == before
+
+
+def test_boolean_vgpu_count_is_an_input_error(acme: Controller) -> None:
+    from vgpu_ctl import InvalidInput
+    before = store_snapshot(acme)
+    with pytest.raises(InvalidInput, match="count"):
+        acme.request_vm("acme", "job1", [("A100D-10C", True)], vcpus=2, memory_mib=4096)
+    assert store_snapshot(acme) == before
+
+
+@pytest.mark.parametrize("limits", [{"vgpus": 10**30}, {"framebuffer_mib": 2**63}, {"vms": True},
+                                    {"profile:A100D-10C": 10**30}])
+def test_huge_or_boolean_quota_limits_are_input_errors(acme: Controller, limits: dict[str, Any]) -> None:
+    from vgpu_ctl import InvalidInput
+    before = store_snapshot(acme)
+    field = next(iter(limits))
+    with pytest.raises(InvalidInput, match=re.escape(field)) as err:
+        acme.set_quota("acme", limits)
+    assert err.value.reasons[0]["field"] == field
+    assert store_snapshot(acme) == before
+
+
+def test_huge_event_limit_and_port_are_input_errors(acme: Controller) -> None:
+    from vgpu_ctl import InvalidInput
+    from vgpu_ctl.ops.events import list_events
+    from vgpu_ctl.ops.metrics import serve
+    for limit in (10**30, True, 0):
+        with pytest.raises(InvalidInput, match="limit"):
+            list_events(acme, limit=limit)
+        with pytest.raises(InvalidInput, match="limit"):
+            acme.events(limit=limit)
+    for port in (99999, -1, True):
+        with pytest.raises(InvalidInput, match="port"):
+            serve(acme, port)
+
+
+@pytest.mark.parametrize("args,field", [
+    (["vm", "create", "--tenant", "acme", "--name", "j", "--profile", "A100D-10C", "--vcpus", str(10**30),
+      "--memory", "4GiB"], "vcpus"),
+    (["vm", "create", "--tenant", "acme", "--name", "j", "--profile", "A100D-10C", "--vcpus", "2",
+      "--memory", f"{2**64}MiB"], "memory"),
+    (["quota", "set", "acme", "--vgpus", str(10**30)], "vgpus"),
+    (["events", "--limit", str(10**30)], "limit"),
+    (["metrics", "serve", "--port", "99999"], "port"),
+])
+def test_cli_huge_numbers_exit_2(state_dir: Path, sqlite_url: str, args: list[str], field: str) -> None:
+    c = Controller(sqlite_url)
+    from conftest import DEMO
+    c.apply_inventory(DEMO)
+    c.create_tenant("acme")
+    before = store_snapshot(c)
+    result = _cli(sqlite_url, *args)
+    assert result.exit_code == 2, result.output
+    assert field in result.output and "Traceback" not in result.output
+    assert store_snapshot(c) == before
+    c.close()
+
+
+@pytest.mark.parametrize("data,what", [
+    (b"hosts: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested"),
+    (b"hosts:\n  - name: h\xff1\n", "UTF-8"),
+    (b"hosts:\n  - {name: h1, uri: 'simulated:///h1', driver: simulated, vcpus: true, memory_mib: 8192}\n",
+     "hosts[0].vcpus"),
+    (b"hosts:\n  - {name: h1, uri: 'simulated:///h1', driver: simulated, vcpus: 8, memory_mib: "
+     + str(10**30).encode() + b"}\n", "hosts[0].memory_mib"),
+    (b"hosts:\n  - {name: h1, uri: 'simulated:///h1', driver: simulated, vcpus: 8, memory_mib: 8, "
+     b"cpu_overcommit: true}\n", "hosts[0].cpu_overcommit"),
+    (b"pools:\n  - {name: p, demand: {1g.10gb: .inf}}\n", "weight"),
+])
+def test_hostile_inventory_yaml_is_an_input_error(tmp_path: Path, data: bytes, what: str) -> None:
+    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.errors import InventoryError
+    from vgpu_ctl.inventory import parse_inventory
+    path = tmp_path / "inv.yaml"
+    path.write_bytes(data)
+    with pytest.raises(InventoryError, match=re.escape(what)) as err:
+        parse_inventory(path, load_catalog())
+    assert err.value.exit_code == 2

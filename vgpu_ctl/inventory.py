@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from vgpu_ctl.catalog import Catalog
@@ -82,8 +82,37 @@ def check_name(field: str, value: str) -> str:
     return value
 
 
+# Bounds of the numbers a request, a quota or an inventory may carry: all fit the store's 64-bit columns.
+MAX_VM_VCPUS = 2**20
+MAX_HOST_VCPUS = 2**20
+MAX_MEMORY_MIB = 2**40  # 1 EiB
+MAX_DISK_GIB = 2**30
+MAX_LIMIT = 2**62  # a quota limit; BIGINT holds twice that, so usage + a request never overflows
+MAX_EVENTS = 1_000_000
+
+
+def check_int(field: str, value: object, low: int = 0, high: int = MAX_LIMIT) -> int:
+    """`value` if it is a whole number (not a bool) in [low, high]; else InvalidInput naming the field and
+    value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = value if not isinstance(value, int) or isinstance(value, bool) or abs(value) < 10**20 \
+            else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise InvalidInput(f"{field} must be a whole number from {low} to {high}, got {shown!r}",
+                           reasons=[{"field": field, "value": shown}])
+    return value
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: object, info: ValidationInfo) -> object:
+        """YAML's true/false is no number: refused where a number is expected."""
+        ann = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(v, bool) and ann in (int, float):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
 
 
 class _Named(_Strict):
@@ -104,9 +133,9 @@ class TaskDecl(_Strict):
 
     profile: str
     gpus: int = Field(default=1, ge=1, le=16)
-    vcpus: int = Field(default=0, ge=0)
-    memory_mib: int = Field(default=0, ge=0)
-    weight: float = Field(gt=0)
+    vcpus: int = Field(default=0, ge=0, le=MAX_VM_VCPUS)
+    memory_mib: int = Field(default=0, ge=0, le=MAX_MEMORY_MIB)
+    weight: float = Field(gt=0, le=1e9)
 
 
 class PoolDecl(_Named):
@@ -169,10 +198,10 @@ class HostDecl(_Named):
     driver: Literal["libvirt", "simulated"] = "libvirt"
     vgpu_backing: Literal["mdev", "vfio"] = "mdev"
     labels: dict[str, str] = {}
-    vcpus: int = Field(ge=0)
-    memory_mib: int = Field(ge=0)
-    cpu_overcommit: float = Field(default=1.0, gt=0)
-    memory_overcommit: float = Field(default=1.0, gt=0)
+    vcpus: int = Field(ge=0, le=MAX_HOST_VCPUS)
+    memory_mib: int = Field(ge=0, le=MAX_MEMORY_MIB)
+    cpu_overcommit: float = Field(default=1.0, gt=0, le=1000)
+    memory_overcommit: float = Field(default=1.0, gt=0, le=1000)
     state: Literal["active", "draining", "down"] = "active"
     gpus: list[GpuDecl] = []
 
@@ -239,9 +268,16 @@ def _field_name(loc: Sequence[int | str]) -> str:
 def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
     """Read and check an inventory file; InventoryError naming file, line and field on the first problem."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise InventoryError(f"inventory file {path}: cannot read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad_line = raw[:exc.start].count(b"\n") + 1
+        raise InventoryError(f"{path}:{bad_line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
+                             f"{exc.start})", reasons=[{"file": str(path), "line": bad_line, "error": "not UTF-8"}]
+                             ) from None
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text) or {}
@@ -249,6 +285,9 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
         raise InventoryError(f"{path}{at}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise InventoryError(f"{path}: YAML nested too deeply to be an inventory",
+                             reasons=[{"file": str(path), "error": "nested too deeply"}]) from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
     try:

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from vgpu_ctl.errors import InvalidInput, NotFound
+from vgpu_ctl.inventory import MAX_EVENTS, check_int
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -36,7 +37,5 @@ def list_events(ctl: Controller, tenant: str | None = None, since: str | datetim
     if me is not None and tenant not in (None, me):
         raise NotFound(f"tenant {tenant!r} not found", reasons=[{"field": "tenant", "value": tenant}])
     when = parse_since(since) if isinstance(since, str) else since
-    if limit <= 0:
-        raise InvalidInput(f"--limit must be positive, got {limit}",
-                           reasons=[{"field": "limit", "value": limit}])
+    check_int("limit", limit, 1, MAX_EVENTS)
     return ctl.events(tenant=tenant, since=when, limit=limit)

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
+from vgpu_ctl.inventory import check_int
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.ops.status import pool_fits
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
@@ -162,5 +163,6 @@ def dump(ctl: Controller) -> str:
 
 def serve(ctl: Controller, port: int, address: str = "127.0.0.1") -> tuple[Any, threading.Thread]:
     """Serve /metrics on address:port in a background thread; (server, thread). Port 0 picks a free one."""
+    check_int("port", port, 0, 65535)
     server, thread = start_http_server(port, addr=address, registry=registry_for(ctl))
     return server, thread

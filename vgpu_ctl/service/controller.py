@@ -38,7 +38,7 @@ from vgpu_ctl.errors import (
     QuotaExceeded,
     Refused,
 )
-from vgpu_ctl.inventory import InventoryDecl, check_name, parse_inventory
+from vgpu_ctl.inventory import MAX_EVENTS, InventoryDecl, check_int, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fit_masks import ensure_fit_masks
@@ -751,7 +751,8 @@ class Controller:
             return render_vm(self, conn, vm.id)
 
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
-        """Audit events, newest last (a tenant caller sees only its own)."""
+        """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""
+        check_int("limit", limit, 1, MAX_EVENTS)
         from vgpu_ctl.service.audit import EVENT
         q = select(EVENT).order_by(EVENT.c.id)
         if self.principal.tenant is not None:

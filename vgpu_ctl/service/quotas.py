@@ -9,6 +9,7 @@ from sqlalchemy import Table, func, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.errors import InvalidInput
+from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.allocation import DEVICE, SCOPED, TENANT
 from vgpu_ctl.service.requests import BASE_RESOURCES
 from vgpu_ctl.store.models import Pool, Vm
@@ -42,9 +43,8 @@ def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str
         if resource not in BASE_RESOURCES and not resource.startswith("profile:"):
             raise InvalidInput(f"unknown quota resource {resource!r}; known: {', '.join(BASE_RESOURCES)}, "
                                "profile:NAME", reasons=[{"field": "resource", "value": resource}])
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise InvalidInput(f"limit {resource} must be a whole number >= 0, got {value!r}",
-                               reasons=[{"field": resource, "value": value}])
+        if value is not None:
+            check_int(resource, value)
     conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(vms_used=TENANT.c.vms_used))
     usage = allocated(conn, tenant_id, scope)
     changes: dict[str, Any] = {}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vgpu_ctl.errors import InvalidInput
-from vgpu_ctl.inventory import check_name
+from vgpu_ctl.inventory import MAX_DISK_GIB, MAX_MEMORY_MIB, MAX_VM_VCPUS, check_int, check_name
 
 BASE_RESOURCES = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
 
@@ -49,14 +49,13 @@ class VmRequest:
                                                       and self.idempotency_key.isprintable()):
             raise InvalidInput(f"idempotency_key {self.idempotency_key!r} must be 1-128 printable characters",
                                reasons=[{"field": "idempotency_key", "value": self.idempotency_key}])
-        for fname, value in (("vcpus", self.vcpus), ("memory_mib", self.memory_mib), ("disk_gib", self.disk_gib)):
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidInput(f"{fname} must be a positive whole number, got {value!r}",
-                                   reasons=[{"field": fname, "value": value}])
+        for fname, value, high in (("vcpus", self.vcpus, MAX_VM_VCPUS), ("memory_mib", self.memory_mib, MAX_MEMORY_MIB),
+                                   ("disk_gib", self.disk_gib, MAX_DISK_GIB)):
+            check_int(fname, value, 1, high)
         for v in self.vgpus:
-            if not isinstance(v.count, int) or v.count <= 0:
-                raise InvalidInput(f"count of profile {v.profile!r} must be a positive whole number, got {v.count!r}",
-                                   reasons=[{"field": "count", "value": v.count}])
+            if isinstance(v.count, bool) or not isinstance(v.count, int) or not 0 < v.count <= 16:
+                raise InvalidInput(f"count of profile {v.profile!r} must be a whole number from 1 to 16, got "
+                                   f"{v.count!r}", reasons=[{"field": "count", "value": v.count}])
         if sum(v.count for v in self.vgpus) > 16:
             total = sum(v.count for v in self.vgpus)
             raise InvalidInput(f"a VM may hold at most 16 vGPUs (field count, value {total})",
