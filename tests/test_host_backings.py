@@ -362,3 +362,22 @@ def test_an_unreachable_declared_host_is_a_finding_not_a_failure(fleet: Fleet, t
     (f,) = [c for c in changes if c["kind"] == "host-unreachable"]
     assert f["name"] == "kvm2" and "connecting to test://" in f["fields"]["detail"]
     assert "type ids stay as recorded before" in f["fields"]["do"]
+
+
+def test_after_a_host_reboot_reconcile_recreates_mig_instances_and_vf_types(fleet: Fleet) -> None:
+    mig = _vm(fleet, "boot1", "3g.40gb", "mig")
+    vf = _vm(fleet, "boot2", "H200-35C", "vf")
+    fleet.sysfs["0000:41:00.0"].refresh()
+    # a reboot: GPU instances and VF types are gone (the domains are still defined)
+    fleet.nvml["kvm1"].gpus[2].gis.clear()
+    for vf_addr in fleet.sysfs["0000:41:00.0"].vfs:
+        fleet.sysfs["0000:41:00.0"].set_type(vf_addr, 0)
+    report = fleet.ctl.reconcile()
+    lost = sorted(f.detail.split(" ")[1] for f in report.findings if f.kind == "lost-vm")
+    assert lost == ["boot1", "boot2"]
+    fleet.ctl.reconcile(fix=True)
+    (dev,) = mig.devices
+    assert [(g.profile.name, g.start) for g in fleet.nvml["kvm1"].gpus[2].gis.values()] == [("3g.40gb", dev.start)]
+    assert fleet.vf_types()["0000:41:00.4"] == 1425
+    assert fleet.ctl.get_vm(vf.id).state == "running" and fleet.ctl.get_vm(mig.id).state == "running"
+    assert [f for f in fleet.ctl.reconcile().findings if f.kind != "foreign-domain"] == []
