@@ -83,3 +83,11 @@ def test_an_unreachable_agent_is_a_host_error(tmp_path: Path) -> None:
 def test_the_agent_refuses_other_protocols(tmp_path: Path) -> None:
     answer = json.loads(handle(LocalHostSide(tmp_path), json.dumps({"protocol": 99, "op": "facts"})))
     assert answer["protocol"] == PROTOCOL and answer["error"]["type"] == "InvalidInput"
+
+
+def test_a_host_without_ssh_has_no_agent_but_still_opens(tmp_path: Path) -> None:
+    from vgpu_ctl.hosts.hostside import open_host_side
+
+    side = open_host_side(type("H", (), {"name": "tls1", "uri": "qemu+tls://tls1/system"})(), tmp_path)
+    with pytest.raises(HostError, match="reached over SSH only"):
+        side.facts([])

@@ -104,23 +104,30 @@ class SshTransport:
     def __init__(self, host: str, uri: str, command: str | None = None, ssh: str = "ssh",
                  timeout_s: float = 120) -> None:
         self.host = host
+        self.uri = uri
+        self.ssh = ssh
         self.command = command or os.environ.get(AGENT_COMMAND_ENV, DEFAULT_AGENT_COMMAND)
-        self.argv = ssh_argv(uri, self.command, ssh)
         self.timeout_s = timeout_s
+
+    @property
+    def argv(self) -> list[str]:
+        """The ssh command line (HostError for a URI that is not reached over SSH)."""
+        return ssh_argv(self.uri, self.command, self.ssh)
 
     def call(self, request: str) -> str:
         """Run the agent once over SSH with the request on its stdin."""
+        argv = self.argv
         try:
-            done = subprocess.run(self.argv, input=request, capture_output=True, text=True,
+            done = subprocess.run(argv, input=request, capture_output=True, text=True,
                                   timeout=self.timeout_s, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise HostError(f"host {self.host}: cannot run the host agent ({shlex.join(self.argv)}): {exc}",
-                            reasons=[{"host": self.host, "command": self.argv}]) from None
+            raise HostError(f"host {self.host}: cannot run the host agent ({shlex.join(argv)}): {exc}",
+                            reasons=[{"host": self.host, "command": argv}]) from None
         if done.returncode != 0 or not done.stdout.strip():
             err = done.stderr.strip()[-500:]
             raise HostError(f"host {self.host}: the host agent failed (exit {done.returncode}): {err or 'no output'}; "
                             f"is vgpu-ctl installed there, with `{self.command}` on the login's PATH?",
-                            reasons=[{"host": self.host, "command": self.argv, "stderr": err}])
+                            reasons=[{"host": self.host, "command": argv, "stderr": err}])
         return done.stdout
 
 
