@@ -381,3 +381,41 @@ def test_after_a_host_reboot_reconcile_recreates_mig_instances_and_vf_types(flee
     assert fleet.vf_types()["0000:41:00.4"] == 1425
     assert fleet.ctl.get_vm(vf.id).state == "running" and fleet.ctl.get_vm(mig.id).state == "running"
     assert [f for f in fleet.ctl.reconcile().findings if f.kind != "foreign-domain"] == []
+
+
+def test_vgpuctl_vm_create_gives_each_backing_exactly_its_device(fleet: Fleet, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI, on the same declared libvirt hosts: its controller's HostFactory reaches the emulated side."""
+    import functools
+    import json
+
+    from typer.testing import CliRunner
+
+    import vgpu_ctl.service.hosts as service_hosts
+    from vgpu_ctl.cli.main import app
+    factory = functools.partial(HostFactory, sides=fleet.ctl.hosts._side_of, nodedevs=fleet.ctl.hosts._nodedev_of)
+    monkeypatch.setattr(service_hosts, "HostFactory", lambda state_path, *a, **k: factory(state_path))
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "cli-state"))
+    runner, db = CliRunner(), str(fleet.ctl.engine.url)
+    created = {}
+    for name, profile, pool in (("c-eq", "A100D-10C", "eq"), ("c-mx", "A100D-20C", "mixed"),
+                                ("c-mig", "3g.40gb", "mig"), ("c-mb", "H100-3-40C", "mig"),
+                                ("c-vf", "H200-35C", "vf"), ("c-mv", "H200-1-18C", "migvf"), ("c-pt", "L40S", "pt")):
+        out = runner.invoke(app, ["--db", db, "vm", "create", "--tenant", "acme", "--name", name, "--profile", profile,
+                                  "--pool", pool, "--vcpus", "2", "--memory", "4GiB", "--json"])
+        assert out.exit_code == 0, out.output
+        created[name] = json.loads(out.output)
+        for s in fleet.sysfs.values():
+            s.refresh()
+    uuids = {n: v["devices"][0]["uuid"] for n, v in created.items()}
+    defined = {m.uuid: (m.parent, m.type_id) for m in fleet.nodedev.mdevs.values()}
+    assert defined == {uuids["c-eq"]: ("pci_0000_41_00_0", "nvidia-558"),
+                       uuids["c-mx"]: ("pci_0000_42_00_0", "nvidia-559"),
+                       uuids["c-mb"]: ("pci_0000_43_00_4", "nvidia-700")}
+    starts = {n: v["devices"][0]["start"] for n, v in created.items()}
+    gis = sorted((g.profile.name, g.start) for g in fleet.nvml["kvm1"].gpus[2].gis.values())
+    assert gis == sorted([("3g.40gb", starts["c-mig"]), ("3g.40gb", starts["c-mb"])])
+    assert [(g.profile.name, g.start) for g in fleet.nvml["kvm2"].gpus[1].gis.values()] == [("1g.18gb", starts["c-mv"])]
+    assert fleet.vf_types() == {"0000:41:00.4": 1425, "0000:41:00.5": 0, "0000:42:00.4": 1414, "0000:42:00.5": 0}
+    placement = [c[1] for c in fleet.nodedev.calls if c[0] == "define" and uuids["c-mx"] in c[1]]
+    assert f"<attr name='vgpu-placement-id' value='{starts['c-mx']}'/>" in placement[0]
