@@ -31,11 +31,11 @@ class State:
 STATE = State()
 
 
-def open_controller() -> Any:
+def open_controller(init: bool = True) -> Any:
     """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN)."""
     from vgpu_ctl.service.controller import TOKEN_ENV, Controller
     token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
-    return Controller(STATE.db, token=token, actor=STATE.actor)
+    return Controller(STATE.db, token=token, actor=STATE.actor, init=init)
 
 
 def print_json(data: Any) -> None:

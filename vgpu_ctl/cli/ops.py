@@ -176,7 +176,12 @@ def db_restore(file: Path = typer.Argument(..., help="A backup written by `vgpuc
         inspect_file(file)
     if not yes:
         typer.confirm(f"replace the whole store with {file}?", abort=True)
-    out = run(as_json, lambda c: restore(c, file))
+    with handled(as_json):
+        ctl = open_controller(init=False)  # the store may be broken: restoring is what mends it
+        try:
+            out = restore(ctl, file)
+        finally:
+            ctl.close()
     print_json(out) if as_json else console.print(f"restored {out['store']} from {out['file']} "
                                                   f"(schema {out['restored_schema']} -> {out['schema']})")
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sqlite3
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,15 +108,104 @@ def inspect_file(path: Path) -> str:
     return rev
 
 
+_CHECK = re.compile(r"CONSTRAINT\s+(\w+)\s+CHECK\s*\(", re.IGNORECASE)
+
+
+def _checks(sql: str) -> set[tuple[str, str]]:
+    """The named CHECK constraints of a CREATE TABLE statement, each with its expression (spaces dropped)."""
+    out = set()
+    for m in _CHECK.finditer(sql):
+        depth, i = 1, m.end()
+        while i < len(sql) and depth:
+            depth += {"(": 1, ")": -1}.get(sql[i], 0)
+            i += 1
+        out.add((m.group(1), re.sub(r"\s+", "", sql[m.end():i - 1])))
+    return out
+
+
+def schema_of(conn: sqlite3.Connection) -> dict[str, Any]:
+    """What a store's schema is made of, in a form two stores can be compared by: per table its columns
+    (name, type, not null, default, key), indexes (unique, columns), foreign keys and named CHECK constraints,
+    and the triggers with their statements."""
+    out: dict[str, Any] = {}
+    for name, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' "
+                                  "AND name NOT LIKE 'sqlite_%'"):
+        q = name.replace('"', '""')
+        cols = {(r[1], str(r[2]).upper(), r[3], r[4], r[5]) for r in conn.execute(f'PRAGMA table_info("{q}")')}
+        idx = {(r[2], tuple(c[2] for c in conn.execute(f'PRAGMA index_info("{r[1]}")')))
+               for r in conn.execute(f'PRAGMA index_list("{q}")')}
+        fks = {(r[2], r[3], r[4]) for r in conn.execute(f'PRAGMA foreign_key_list("{q}")')}
+        out[f"table {name}"] = {"columns": cols, "indexes": idx, "foreign keys": fks, "checks": _checks(sql or "")}
+    for name, table, sql in conn.execute("SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'trigger'"):
+        out[f"trigger {name}"] = {"table": table, "sql": re.sub(r"\s+", " ", sql or "").strip()}
+    return out
+
+
+@contextlib.contextmanager
+def _reference(rev: str) -> Any:
+    """A connection to an empty store built by this code's migrations up to `rev`."""
+    from alembic import command
+
+    from vgpu_ctl.store.engine import make_engine
+    with tempfile.TemporaryDirectory(prefix="vgpu-ctl-schema-") as tmp:
+        path = Path(tmp) / "reference.db"
+        engine = make_engine(f"sqlite:///{path}")
+        try:
+            command.upgrade(migrate.alembic_config(engine), rev)
+        finally:
+            engine.dispose()
+        conn = sqlite3.connect(path)
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+
+def verify_schema(path: Path, rev: str) -> None:
+    """InvalidInput naming what differs unless the store file's schema is exactly what this code's
+    migrations make at revision `rev` (columns, keys, indexes, constraints, the overlap triggers)."""
+    with _reference(rev) as ref:
+        want = schema_of(ref)
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        have = schema_of(conn)
+    finally:
+        conn.close()
+    diffs: list[dict[str, Any]] = []
+    for obj in sorted(set(want) | set(have)):
+        if obj not in have:
+            diffs.append({"object": obj, "problem": "missing"})
+        elif obj not in want:
+            diffs.append({"object": obj, "problem": "not in this schema"})
+        else:
+            for part in want[obj]:
+                if want[obj][part] != have[obj][part]:
+                    if isinstance(want[obj][part], set):
+                        lost = sorted(map(str, want[obj][part] - have[obj][part]))
+                        extra = sorted(map(str, have[obj][part] - want[obj][part]))
+                        diffs.append({"object": obj, "problem": f"{part} differ", "missing": lost, "extra": extra})
+                    else:
+                        diffs.append({"object": obj, "problem": f"{part} differs"})
+    if diffs:
+        shown = "; ".join(f"{d['object']}: {d['problem']}" + (f" (missing {', '.join(d['missing'][:3])})"
+                                                               if d.get("missing") else "") for d in diffs[:5])
+        raise InvalidInput(f"{path} does not have the schema of revision {rev}: {shown}"
+                           f"{'; ...' if len(diffs) > 5 else ''}; nothing was restored",
+                           reasons=[{"field": "file", "value": str(path), **d} for d in diffs])
+
+
 def restore(ctl: Controller, src_path: Path) -> dict[str, Any]:
     """Replace the store with a backup file in one transaction (SQLite's backup API into the live store, so
     processes that have it open see the old or the new store, never a mix), then upgrade its schema if it is
-    older. Refuses files that are not vgpu-ctl stores or are from a newer schema (admin only)."""
+    older. Refuses files that are not vgpu-ctl stores, are from a newer schema, or whose schema differs in
+    any column, key, constraint or trigger from what its revision should be (admin only). Works on a broken
+    store: open the controller with `init=False`."""
     require_admin(ctl, "db restore")
     target = store_path(ctl)
     rev = inspect_file(src_path)
     if src_path.resolve() == target.resolve():
         raise InvalidInput(f"{src_path} is the store itself; nothing to restore")
+    verify_schema(src_path, rev)
     ctl.engine.dispose()
     src = sqlite3.connect(f"file:{src_path}?mode=ro", uri=True)
     try:
@@ -127,6 +218,6 @@ def restore(ctl: Controller, src_path: Path) -> dict[str, Any]:
         src.close()
     with contextlib.suppress(Exception):
         ctl.engine.dispose()
-    migrate.upgrade(ctl.engine)
+    ctl.init()  # the schema and the GPUs' fit masks brought up to this code
     return {"store": str(target), "file": str(src_path), "restored_schema": rev,
             "schema": migrate.head_revision()}
