@@ -80,7 +80,7 @@ class Fleet:
     """The two hosts' emulated NVIDIA side and a Controller whose HostFactory reaches them through the
     agent's protocol."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, url: str | None = None) -> None:
         self.log: list[str] = []  # node-device, NVML and sysfs changes of both hosts, in order
         self.kvm1_uri = write_node_file(tmp / "kvm1.xml", KVM1_DEVICES)
         self.kvm2_uri = write_node_file(tmp / "kvm2.xml", KVM2_DEVICES)
@@ -105,7 +105,8 @@ class Fleet:
         }
         factory = HostFactory(tmp / "state", sides=lambda h: AgentHostSide(h.name, InProcessTransport(
             self.sides[h.name])), nodedevs=lambda h: self.nodedev)
-        self.ctl = Controller(f"sqlite:///{tmp / 'store.db'}", state_path=tmp / "state", host_factory=factory)
+        self.ctl = Controller(url or f"sqlite:///{tmp / 'store.db'}", state_path=tmp / "state",
+                              host_factory=factory)
         self.inventory = tmp / "inventory.yaml"
         self.inventory.write_text(INVENTORY % {"kvm1": self.kvm1_uri, "kvm2": self.kvm2_uri})
 
@@ -419,3 +420,21 @@ def test_vgpuctl_vm_create_gives_each_backing_exactly_its_device(fleet: Fleet, t
     assert fleet.vf_types() == {"0000:41:00.4": 1425, "0000:41:00.5": 0, "0000:42:00.4": 1414, "0000:42:00.5": 0}
     placement = [c[1] for c in fleet.nodedev.calls if c[0] == "define" and uuids["c-mx"] in c[1]]
     assert f"<attr name='vgpu-placement-id' value='{starts['c-mx']}'/>" in placement[0]
+
+
+@pytest.mark.postgres
+def test_type_ids_and_backings_on_postgresql(tmp_path: Path, pg_url: str) -> None:
+    f = Fleet(tmp_path, pg_url)
+    try:
+        changes = f.ctl.apply_inventory(f.inventory)
+        assert {c["name"] for c in changes if c["action"] == "record"} >= {"kvm1/0000:41:00.0", "kvm2/0000:41:00.0"}
+        f.ctl.create_tenant("acme")
+        vm = _vm(f, "pg1", "A100D-10C", "eq")
+        vf = _vm(f, "pg2", "H200-35C", "vf")
+        assert f.nodedev.calls[0][1].count("nvidia-558") == 1 and f.vf_types()["0000:41:00.4"] == 1425
+        f.ctl.release_vm(vm.id)
+        f.ctl.release_vm(vf.id)
+        assert f.nodedev.mdevs == {}
+        f.ctl.apply_inventory(f.inventory)  # recording again on PostgreSQL: no change, no error
+    finally:
+        f.ctl.close()
