@@ -81,3 +81,62 @@ def test_restore_works_on_a_broken_store(store: Store, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert store.sql("SELECT name FROM vm ORDER BY name") == names
     assert cli(store, "tenant", "list").exit_code == 0
+
+
+# -- 10: private files -------------------------------------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+@pytest.fixture
+def umask_022() -> object:
+    import os
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_store_wal_and_backup_are_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, umask_022: object) -> None:
+    from conftest import DEMO
+
+    from vgpu_ctl import Controller
+    from vgpu_ctl.ops.backup import backup
+    state = tmp_path / "fresh" / "state"
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(state))
+    c = Controller()  # the default store in a state folder that does not exist yet
+    try:
+        c.apply_inventory(DEMO)
+        c.create_tenant("acme")
+        db = state / "vgpu-ctl.db"
+        assert _mode(state) == 0o700
+        for f in (db, db.with_name("vgpu-ctl.db-wal"), db.with_name("vgpu-ctl.db-shm")):
+            assert f.exists() and _mode(f) == 0o600, (f, oct(_mode(f)))
+        out = tmp_path / "backups" / "b.db"
+        backup(c, out)
+        assert _mode(out) == 0o600 and _mode(out.parent) == 0o700
+    finally:
+        c.close()
+
+
+def test_an_existing_world_readable_store_is_made_private(tmp_path: Path, umask_022: object) -> None:
+    from vgpu_ctl import Controller
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    Controller(url).close()
+    (tmp_path / "old.db").chmod(0o644)
+    Controller(url).close()
+    assert _mode(tmp_path / "old.db") == 0o600
+
+
+def test_a_killed_backup_leaves_no_temp_file_after_the_next_run(store: Store, tmp_path: Path) -> None:
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dest = tmp_path / "b" / "backup.db"
+    dest.parent.mkdir()
+    stale = dest.with_name(f".{dest.name}.{dead.pid}.tmp")  # what `db backup` killed mid-copy left
+    stale.write_bytes(b"\0" * 65536)
+    _backup(store, dest)
+    assert not stale.exists()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["backup.db"]

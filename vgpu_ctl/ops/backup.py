@@ -42,11 +42,32 @@ def store_path(ctl: Controller) -> Path:
     return Path(url.database)
 
 
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_temps(dest: Path) -> None:
+    """Remove what earlier copies to `dest` that were killed left behind (their process no longer runs)."""
+    for tmp in dest.parent.glob(f".{dest.name}.*.tmp"):
+        pid = tmp.name[len(dest.name) + 2:-4]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_runs(int(pid))):
+            tmp.unlink(missing_ok=True)
+
+
 def _copy(src: sqlite3.Connection, dest: Path) -> None:
-    """Copy `src` into a new file next to `dest` and move it into place, so `dest` is whole or untouched."""
+    """Copy `src` into a new private (0600) file next to `dest` and move it into place, so `dest` is whole or
+    untouched; temp files of earlier copies that were killed are removed first."""
+    _clean_stale_temps(dest)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         out = sqlite3.connect(tmp)
         try:
             src.backup(out)  # one step: a consistent snapshot, even while other processes write
@@ -59,12 +80,16 @@ def _copy(src: sqlite3.Connection, dest: Path) -> None:
 
 
 def backup(ctl: Controller, dest: Path) -> dict[str, Any]:
-    """Write a consistent copy of the store to `dest` (replacing it); what was written (admin only)."""
+    """Write a consistent copy of the store to `dest` (replacing it), readable by its owner only (0600, in a
+    0700 folder if the folder is new); what was written (admin only)."""
     require_admin(ctl, "db backup")
     source = store_path(ctl)
     if dest.resolve() == source.resolve():
         raise InvalidInput(f"the backup file {dest} is the store itself; choose another path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.parent.exists():
+        dest.parent.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            dest.parent.mkdir(mode=0o700)
     src = sqlite3.connect(f"file:{source}?mode=ro", uri=True, timeout=30)
     try:
         _copy(src, dest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,27 @@ def make_engine(url: str | None = None) -> Engine:
         url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     if parsed.drivername.startswith("sqlite"):
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            private_store_file(Path(parsed.database))
         engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
         _sqlite_pragmas(engine)
         return engine
     return create_engine(url, pool_pre_ping=True)
+
+
+def private_store_file(db: Path) -> None:
+    """Make a SQLite store file only its owner can read: a new folder for it is created 0700, a new store
+    file 0600 (SQLite gives its WAL and shared-memory files the store's mode), and an existing store, WAL or
+    shared-memory file of ours that others could read is made 0600."""
+    if not db.parent.exists():
+        db.parent.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            db.parent.mkdir(mode=0o700)
+    os.close(os.open(db, os.O_CREAT | os.O_RDWR, 0o600))
+    for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            if st.st_mode & 0o077 and st.st_uid == os.getuid():
+                f.chmod(st.st_mode & 0o700 | 0o600)
 
 
 def _sqlite_pragmas(engine: Engine) -> None:
