@@ -25,10 +25,26 @@ The pack policy's demand mix is the trace's task shapes, FGD's typical tasks: pe
 vCPUs), the profile it maps to on each model, weighted by how many tasks have it. Like FGD's (TargetPodResource in
 hkust-adsl/kubernetes-scheduler-simulator), they leave memory out.
 vCPUs are counted in milli-vCPUs (HostView.free_vcpus and PlacementRequest.vcpus), which is the same ratio.
+Restricted tasks' shapes say which models they may run on, and pack is given the fleet's GPUs per model (`supply`).
+
+gpuspec traces (generated here from the default trace, never written to disk; the published gpuspec files hold
+production constraints we do not have): gpuspecNN restricts NN% of the tasks that ask for GPUs, drawn at random, to
+one trace GPU model each, the model drawn by its share of the cluster's GPUs (gpuspec33n: of its nodes, which
+makes the small-node models T4 and P100/V100-16GB scarce), among the models with a node as wide as the task. The
+generator is seeded with the trace's name, so every replay seed sees the same trace.
+
+--store also replays pack, for the same traces, modes and seeds, through the real Controller on a fresh SQLite store
+(the fleet declared through an inventory file: simulated hosts, one pack pool per GPU model with the trace's task
+shapes on that model as its demand), placing each task as a user would: request_vm(provision=False) with the
+task's profile on each model it may use, the model with the most GPUs first, the first that is not refused. Beside
+it the pure policy is replayed with the same rule ("pure user"), so the gap between the two is the store's doing:
+there pack sees a host only through its GPUs on the candidate page. Both stop at 100% arrived.
 
 Usage: bench_packing.py TRACE_DIR [--seeds 42..44 (default: 3 seeds; the paper's 10 are 42..51)]
        [--trace default,gpushare40,multigpu30] [--modes vgpu-equal,vgpu-mixed,mig]
-       [--policies pack,first-fit,best-fit,spread] [--nodes-limit N] [--jobs N] [--verify] [--json]
+       [--policies pack,first-fit,best-fit,spread] [--nodes-limit N] [--jobs N] [--verify] [--store] [--json]
+       (traces: default,gpushare40,multigpu30,gpuspec20,gpuspec33,gpuspec33n; --policies "" with --store runs
+       only the store comparison)
 """
 
 from __future__ import annotations
