@@ -97,7 +97,7 @@ def test_specific_messages(store: Store) -> None:
     finally:
         ctl.close()
     [p] = results["tenant-usage"].problems
-    assert p.object == "tenant acme" and "vms used is 3" in p.message and "reconcile --fix" in p.fix
+    assert p.object == "tenant acme" and "vms used is 3" in p.message and "vgpuctl db repair-usage" in p.fix
     [p] = results["host-usage"].problems
     assert p.object == "host kvm-l40s-01" and "used_vcpus is 5" in p.message
 

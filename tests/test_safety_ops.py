@@ -140,3 +140,71 @@ def test_a_killed_backup_leaves_no_temp_file_after_the_next_run(store: Store, tm
     _backup(store, dest)
     assert not stale.exists()
     assert sorted(p.name for p in dest.parent.iterdir()) == ["backup.db"]
+
+
+# -- 5: usage repair ---------------------------------------------------------------------------------------
+
+
+def _drift(store: Store) -> None:
+    ctl = store.ctl()
+    try:
+        ctl.set_quota("acme", {"vgpus": 5}, pool="inference")
+    finally:
+        ctl.close()
+    store.sql("UPDATE tenant SET vms_used = vms_used + 1, vgpus_used = vgpus_used + 3 WHERE name = 'acme'")
+    store.sql("UPDATE scoped_quota SET used = used + 2")
+    store.sql("UPDATE host SET used_vcpus = used_vcpus + 4")
+
+
+def _failing(store: Store) -> dict[str, list[str]]:
+    from vgpu_ctl.ops.doctor import diagnose
+    ctl = store.ctl()
+    try:
+        return {r.name: [p.fix for p in r.problems] for r in diagnose(ctl) if r.problems}
+    finally:
+        ctl.close()
+
+
+def test_usage_repair_recomputes_usage_from_allocations(store: Store) -> None:
+    from conftest import check_store_invariants
+
+    from vgpu_ctl import PermissionDenied
+    _drift(store)
+    failing = _failing(store)
+    assert set(failing) == {"tenant-usage", "scoped-quota", "host-usage"}
+    assert all("vgpuctl db repair-usage" in fix for fixes in failing.values() for fix in fixes), failing
+    tenant = store.as_tenant("acme")
+    try:
+        with pytest.raises(PermissionDenied):
+            tenant.repair_usage(dry_run=False)
+    finally:
+        tenant.close()
+    ctl = store.ctl()
+    try:
+        before = store.sql("SELECT * FROM tenant ORDER BY id"), store.sql("SELECT * FROM host ORDER BY id")
+        events = len(ctl.events(limit=100000))
+        plan = ctl.repair_usage()  # a dry run by default
+        assert {(c["object"], c["resource"]) for c in plan} >= {
+            ("tenant acme", "vms"), ("tenant acme", "vgpus"), ("tenant acme", "vgpus in pool inference")}
+        assert all(c["stored"] != c["allocated"] for c in plan)
+        assert (store.sql("SELECT * FROM tenant ORDER BY id"), store.sql("SELECT * FROM host ORDER BY id")) == before
+        assert len(ctl.events(limit=100000)) == events
+        done = ctl.repair_usage(dry_run=False)
+        assert done == plan
+        check_store_invariants(ctl.engine)
+        last = ctl.events(limit=100000)[-1]
+        assert last["action"] == "usage.repair" and last["params"]["changes"] == len(plan)
+        assert ctl.repair_usage() == []
+    finally:
+        ctl.close()
+    assert _failing(store) == {}
+
+
+def test_cli_usage_repair_is_a_dry_run_without_apply(store: Store) -> None:
+    _drift(store)
+    res = cli(store, "db", "repair-usage")
+    assert res.exit_code == 0 and "vms" in res.output and "dry run" in res.output, res.output
+    assert "tenant-usage" in _failing(store)
+    res = cli(store, "db", "repair-usage", "--apply")
+    assert res.exit_code == 0, res.output
+    assert _failing(store) == {}

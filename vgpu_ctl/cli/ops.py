@@ -186,6 +186,21 @@ def db_restore(file: Path = typer.Argument(..., help="A backup written by `vgpuc
                                                   f"(schema {out['restored_schema']} -> {out['schema']})")
 
 
+@db_app.command("repair-usage")
+def db_repair_usage(apply: bool = typer.Option(False, "--apply", help="Make the changes (default: show them)."),
+                    as_json: bool = JSON_OPT) -> None:
+    """Recompute tenants' and hosts' usage from what is allocated: shows the changes (a dry run), makes them
+    with --apply (audited)."""
+    changes = run(as_json, lambda c: c.repair_usage(dry_run=not apply))
+    if as_json:
+        print_json({"applied": apply, "changes": changes})
+        return
+    for ch in changes:
+        console.print(f"{ch['object']}: {ch['resource']} {ch['stored']} -> {ch['allocated']}", markup=False)
+    console.print(f"{len(changes)} usage values {'repaired' if apply else 'differ (dry run; --apply repairs)'}"
+                  if changes else "usage equals allocations; nothing to repair")
+
+
 def vm_create_many(tenant: str = typer.Option(..., help="Tenant that owns the VMs."),
                    prefix: str = typer.Option(..., help="Name prefix; VMs are PREFIX01, PREFIX02, ..."),
                    number: int = typer.Option(..., min=1, max=10000, help="How many VMs."),

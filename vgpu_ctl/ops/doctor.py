@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 INTERMEDIATE = ("requested", "placed", "devices-ready", "releasing")
 RECONCILE = "run `vgpuctl reconcile --fix`"
+REPAIR_USAGE = "run `vgpuctl db repair-usage` to see the changes, then `vgpuctl db repair-usage --apply`"
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _tenant_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Itera
             stored = getattr(t, f"{r}_used")
             if stored != actual[r]:
                 yield Problem(f"tenant {t.name}", f"{r} used is {stored} but its VMs hold {actual[r]}",
-                              f"{RECONCILE} (recomputes usage from allocations)")
+                              f"{REPAIR_USAGE} (recomputes usage from allocations)")
 
 
 def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
@@ -76,7 +77,7 @@ def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Itera
             scope = "all pools" if r.scope == "*" else f"pool {r.scope}"
             yield Problem(f"tenant {r.tenant}",
                           f"{r.resource} ({scope}) used is {r.used} but allocations hold {actual}",
-                          f"{RECONCILE}, or set the limit again with `vgpuctl quota set` (recomputes usage)")
+                          f"{REPAIR_USAGE} (recomputes usage from allocations)")
 
 
 def _failed_vms(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
@@ -161,7 +162,7 @@ def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
         for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):
             if getattr(h, col) != value:
                 yield Problem(f"host {h.name}", f"{col} is {getattr(h, col)} but its VMs take {value}",
-                              f"{RECONCILE} (recomputes host usage from its VMs)")
+                              f"{REPAIR_USAGE} (recomputes host usage from its VMs)")
 
 
 def _orphans(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:

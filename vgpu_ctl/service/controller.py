@@ -44,7 +44,7 @@ from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fit_masks import ensure_fit_masks
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.leases import expiry, new_holder
-from vgpu_ctl.service.quotas import VM, set_limits, usage_report
+from vgpu_ctl.service.quotas import VM, repair_usage, set_limits, usage_report
 from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
@@ -346,6 +346,20 @@ class Controller:
             changes = set_limits(conn, t.id, pool or "*", limits)
             record(conn, self.principal.actor, "quota.set", tenant, tenant=tenant,
                    params={"pool": pool, "limits": changes})
+        return changes
+
+    def repair_usage(self, dry_run: bool = True) -> list[dict[str, Any]]:
+        """Recompute every tenant's and host's usage from what is allocated; the changes (each object,
+        resource, stored and allocated value). A dry run (the default) changes nothing; otherwise the changes
+        are made in one transaction and audited (admin only)."""
+        self._admin("db repair-usage")
+        with self.write_turn(), self.engine.connect() as conn, conn.begin() as trans:
+            changes = repair_usage(conn)
+            if dry_run:
+                trans.rollback()
+            elif changes:
+                record(conn, self.principal.actor, "usage.repair", "usage",
+                       params={"changes": len(changes), "repaired": changes})
         return changes
 
     def tenant_usage(self, tenant: str) -> list[dict[str, Any]]:

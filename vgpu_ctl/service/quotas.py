@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection
 
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
-from vgpu_ctl.service.allocation import DEVICE, SCOPED, TENANT
+from vgpu_ctl.service.allocation import DEVICE, HOST, SCOPED, TENANT
 from vgpu_ctl.service.requests import BASE_RESOURCES
 from vgpu_ctl.store.models import Pool, Vm
 
@@ -60,6 +60,43 @@ def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str
         changes[resource] = value
     has_scoped = conn.execute(select(func.count()).select_from(SCOPED).where(SCOPED.c.tenant_id == tenant_id)).scalar()
     conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(has_scoped_limits=bool(has_scoped)))
+    return changes
+
+
+def repair_usage(conn: Connection) -> list[dict[str, Any]]:
+    """Set every stored usage that differs from what allocations hold to what they hold (inside the caller's
+    transaction): tenants' global usage, their per-pool and per-profile rows, hosts' vCPUs and memory; the
+    changes, each with the object, resource, stored and allocated values. Each tenant and host row is locked
+    (by a no-op update) before its allocations are summed, in the order claims lock them."""
+    changes: list[dict[str, Any]] = []
+    for t_id, name in conn.execute(select(TENANT.c.id, TENANT.c.name).order_by(TENANT.c.id)).all():
+        conn.execute(TENANT.update().where(TENANT.c.id == t_id).values(vms_used=TENANT.c.vms_used))
+        t = conn.execute(select(TENANT).where(TENANT.c.id == t_id)).one()._mapping
+        actual = allocated(conn, t_id)
+        fixed = {f"{r}_used": actual[r] for r in BASE_RESOURCES if t[f"{r}_used"] != actual[r]}
+        changes += [{"object": f"tenant {name}", "resource": k.removesuffix("_used"), "stored": t[k],
+                     "allocated": v} for k, v in fixed.items()]
+        if fixed:
+            conn.execute(TENANT.update().where(TENANT.c.id == t_id).values(**fixed))
+        for row in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == t_id).order_by(SCOPED.c.id)).all():
+            held = allocated(conn, t_id, row.scope).get(row.resource, 0)
+            if row.used != held:
+                where = "all pools" if row.scope == "*" else f"pool {row.scope}"
+                changes.append({"object": f"tenant {name}", "resource": f"{row.resource} in {where}",
+                                "stored": row.used, "allocated": held})
+                conn.execute(SCOPED.update().where(SCOPED.c.id == row.id).values(used=held))
+    for h_id, name in conn.execute(select(HOST.c.id, HOST.c.name).order_by(HOST.c.id)).all():
+        conn.execute(HOST.update().where(HOST.c.id == h_id).values(used_vcpus=HOST.c.used_vcpus))
+        h = conn.execute(select(HOST.c.used_vcpus, HOST.c.used_memory_mib).where(HOST.c.id == h_id)).one()
+        vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
+                                         func.coalesce(func.sum(VM.c.memory_mib), 0))
+                                  .where(VM.c.host_id == h_id, VM.c.state.in_(HOLDING))).one()
+        fixed = {c: int(v) for c, v, stored in (("used_vcpus", vcpus, h.used_vcpus),
+                                                 ("used_memory_mib", mem, h.used_memory_mib)) if stored != v}
+        changes += [{"object": f"host {name}", "resource": k.removeprefix("used_"),
+                     "stored": getattr(h, k), "allocated": v} for k, v in fixed.items()]
+        if fixed:
+            conn.execute(HOST.update().where(HOST.c.id == h_id).values(**fixed))
     return changes
 
 
