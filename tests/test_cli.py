@@ -87,7 +87,7 @@ def test_quota_set_with_sizes(cli: Cli) -> None:
     usage = {(r["scope"], r["resource"]): r["limit"] for r in cli.json("tenant", "usage", "acme")["usage"]}
     assert usage[("*", "framebuffer_mib")] == 81920 and usage[("*", "profile:1g.10gb")] == 2
     out = cli.json("quota", "set", "acme", "--pool", "inference", "--vgpus", "4")
-    assert out == {"tenant": "acme", "pool": "inference", "limits": {"vgpus": 4}}
+    assert out == {"tenant": "acme", "pool": "inference", "limits": {"vgpus": 4}, "below_usage": []}
     out = cli.json("quota", "set", "acme", "--vms", "unlimited")
     assert out["limits"] == {"vms": None}
 
@@ -171,7 +171,7 @@ def test_vm_create_refused_json(cli: Cli) -> None:
     assert out["error"]["reasons"] == [{"kind": "capacity", "pool": "training", "gpus": 3, "counts": {"vcpus": 3}}]
     text = cli("vm", "create", "--tenant", "acme", "--name", "x", "--profile", "A100-80GB", "--vcpus", "1000",
                "--memory", "1GiB")
-    assert text.exit_code == 3 and "pool training" in text.stderr and "vcpus" in text.stderr
+    assert text.exit_code == 3 and "pool training" in text.stderr and "3 GPUs on a host short of vCPUs" in text.stderr
     assert cli.json("vm", "list") == []
 
 

@@ -160,7 +160,7 @@ def test_reconcile_removes_an_orphan_device_and_a_leaked_domain(fault_store: tup
     with ctl.tx() as conn:  # a VM the store forgot entirely (e.g. restored from an old backup)
         conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
         conn.execute(VM.delete().where(VM.c.id == vm.id))
-    report = ctl.reconcile(fix=True, stuck_after_seconds=0)
+    report = ctl.reconcile(fix=True, stuck_after_seconds=0, confirm_undefine=lambda f: True)  # it runs: asked
     assert {f.kind for f in report.findings} >= {"unknown-domain", "orphan-device"}
     assert report.clean
     assert SimulatedHost("kvm-a100-01", state / "hosts").list_devices() == []

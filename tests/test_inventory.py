@@ -223,7 +223,7 @@ def test_removing_gpu_with_devices_refused(ctl: Controller, tmp_path: Path) -> N
                                 'pool: inference, vgpu_type: A100D-10C}\n', "")
     before = store_snapshot(ctl)
     with pytest.raises(Conflict) as err:
-        ctl.apply_inventory(path)
+        ctl.apply_inventory(path, prune=True)
     assert "0000:81:00.0" in err.value.message and name in err.value.message
     assert err.value.reasons[0]["vms"] == [name]
     assert store_snapshot(ctl) == before
@@ -237,7 +237,7 @@ def test_removing_host_with_devices_refused(ctl: Controller, tmp_path: Path) -> 
     path = write_inventory(tmp_path, text[:start] + text[end:])
     before = store_snapshot(ctl)
     with pytest.raises(Conflict) as err:
-        ctl.apply_inventory(path)
+        ctl.apply_inventory(path, prune=True)
     assert "kvm-a100-01" in err.value.message and name in err.value.message
     assert store_snapshot(ctl) == before
 
@@ -276,7 +276,7 @@ def test_removing_empty_gpu_and_host(ctl: Controller, tmp_path: Path) -> None:
     text = DEMO.read_text()
     start = text.index("  - name: kvm-l40s-01")
     path = write_inventory(tmp_path, text[:start])
-    changes = ctl.apply_inventory(path)
+    changes = ctl.apply_inventory(path, prune=True)
     assert ("remove", "host", "kvm-l40s-01") in [(c["action"], c["kind"], c["name"]) for c in changes]
     assert [h["name"] for h in ctl.inventory()["hosts"]] == ["kvm-a100-01", "kvm-h100-01"]
 
@@ -322,9 +322,10 @@ def test_demand_of_typical_requests_is_stored(ctl: Controller, tmp_path: Path) -
     ctl.apply_inventory(path)
     (pool,) = [p for p in ctl.pools() if p["name"] == "p1"]
     assert pool["demand"] == [{"profile": "A100-80GB", "gpus": 2, "vcpus": 16, "memory_mib": 65536, "weight": 1.0}]
-    assert ctl.apply_inventory(path) == []  # the same file again: nothing to change
+    made = [c for c in ctl.apply_inventory(path) if c["action"] != "keep"]  # the demo's hosts are kept
+    assert made == []  # the same file again: nothing to change
     short = write_inventory(tmp_path, DEMAND.format(demand=SINGLES), "short.yaml")
-    changes = ctl.apply_inventory(short)
+    changes = [c for c in ctl.apply_inventory(short) if c["action"] != "keep"]
     assert [c["name"] for c in changes] == ["p1"]
     (pool,) = [p for p in ctl.pools() if p["name"] == "p1"]
     assert pool["demand"] == [{"profile": "A100-80GB", "gpus": 1, "vcpus": 0, "memory_mib": 0, "weight": 1.0}]

@@ -279,7 +279,7 @@ def test_dry_run_never_writes(acme: Controller, fast: Calls, slow: Calls, state_
     assert len(outcomes(fast, ctl)) == 1 and len(slow) == 2  # only "keep" took the fast path
     assert SimulatedHost("kvm-h100-01", state_dir / "hosts").list_devices() == []
     vm = req(ctl, "x", "3g.40gb")
-    assert (vm.devices[0].gpu, vm.devices[0].start) == (plan.devices[0]["gpu"], plan.devices[0]["start"])
+    assert (vm.devices[0].gpu, vm.devices[0].start) == (plan.devices[0].gpu, plan.devices[0].start)
     check_store_invariants(ctl.engine)
 
 

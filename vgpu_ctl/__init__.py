@@ -3,6 +3,9 @@
 The public API: `Controller` and the types it takes and returns, and the errors it raises.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from vgpu_ctl.catalog import Catalog, ProfileInfo, ProfileKind, load_catalog
 from vgpu_ctl.core.geometry import Mode
 from vgpu_ctl.errors import (
@@ -19,7 +22,12 @@ from vgpu_ctl.errors import (
     VgpuCtlError,
 )
 from vgpu_ctl.service.controller import Controller
-from vgpu_ctl.service.requests import DeviceInfo, Placement, VgpuRequest, VmInfo
+from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VgpuRequest, VmInfo
+
+try:
+    __version__ = _version("vgpu-ctl")
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Catalog",
@@ -34,6 +42,7 @@ __all__ = [
     "NoCapacity",
     "NotFound",
     "PermissionDenied",
+    "PlacedDevice",
     "Placement",
     "ProfileInfo",
     "ProfileKind",
@@ -42,5 +51,6 @@ __all__ = [
     "VgpuCtlError",
     "VgpuRequest",
     "VmInfo",
+    "__version__",
     "load_catalog",
 ]

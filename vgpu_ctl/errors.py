@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,3 +102,16 @@ class PermissionDenied(VgpuCtlError):
 
     code: str = "permission_denied"
     exit_code: int = 7
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'X'?)' for the choices closest to a misspelled `value` (case aside), else ''."""
+    by_lower: dict[str, str] = {}
+    for c in choices:
+        by_lower.setdefault(c.lower(), c)
+    if value.lower() in by_lower:  # only the case differs
+        return f" (did you mean {by_lower[value.lower()]!r}?)"
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {' or '.join(repr(by_lower[c]) for c in close)}?)"

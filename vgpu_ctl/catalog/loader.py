@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from vgpu_ctl.catalog.schema import GpuModelSpec
-from vgpu_ctl.errors import CatalogError
+from vgpu_ctl.errors import CatalogError, did_you_mean
 
 DATA_DIR = Path(__file__).parent / "data"
 CATALOG_PATH_ENV = "VGPU_CTL_CATALOG_PATH"
@@ -121,12 +121,14 @@ class Catalog:
         self.fingerprint = digest.hexdigest()  # changes whenever any model's data does
 
     def model(self, name: str) -> GpuModelSpec:
-        """The model called `name`; CatalogError naming the known ones if absent."""
-        try:
-            return self.models[name]
-        except KeyError:
+        """The model called `name` (in any case: `h100-80gb` is H100-80GB); CatalogError naming the closest and
+        the known ones if absent."""
+        found = self.models.get(name) or next((m for n, m in self.models.items() if n.lower() == name.lower()), None)
+        if found is None:
             known = ", ".join(sorted(self.models))
-            raise CatalogError(f"unknown GPU model {name!r}; known models: {known}") from None
+            raise CatalogError(f"unknown GPU model {name!r}{did_you_mean(name, self.models)}; known models: {known}",
+                               reasons=[{"field": "model", "value": name}])
+        return found
 
     def by_pci_id(self, device_id: str) -> GpuModelSpec | None:
         """The model with this PCI device id (e.g. '0x20b5'), or None."""
@@ -138,8 +140,7 @@ class Catalog:
     def profiles(self, model: str | None = None) -> list[ProfileInfo]:
         """Every profile of one model, or of all models."""
         if model is not None:
-            self.model(model)
-            return list(self._profiles[model])
+            return list(self._profiles[self.model(model).model])
         return [p for name in sorted(self._profiles) for p in self._profiles[name]]
 
     def profile(self, model: str, name: str) -> ProfileInfo | None:

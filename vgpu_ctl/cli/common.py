@@ -1,4 +1,5 @@
-"""What every CLI command shares: opening the controller, printing results and errors, exit codes."""
+"""What every CLI command shares: opening the controller, output formats, printing results and errors, exit
+codes, and the process-level behaviour of `vgpuctl` (a closed stdout pipe, usage errors as JSON)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,39 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from enum import StrEnum
+from typing import Any, NoReturn, TextIO
 
 import typer
+import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from typer._click.exceptions import ClickException
+from typer.core import TyperGroup
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+WIDE = 1000  # the console width of `-o wide`: a table as wide as its cells, nothing cut
+
+
+class Output(StrEnum):
+    """Output formats of `-o/--output`."""
+
+    table = "table"
+    wide = "wide"
+    json = "json"
+    yaml = "yaml"
+
+
+JSON_OPT = typer.Option(False, "--json", help="Print JSON (the same as -o json).")
+OUTPUT_OPT = typer.Option(Output.table, "--output", "-o", help="table (fits the terminal), wide (nothing cut), "
+                          "json or yaml.", case_sensitive=False)
 
 
 class State:
@@ -31,11 +53,18 @@ class State:
 STATE = State()
 
 
-def open_controller(init: bool = True) -> Any:
-    """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN)."""
-    from vgpu_ctl.service.controller import TOKEN_ENV, Controller
-    token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
-    return Controller(STATE.db, token=token, actor=STATE.actor, init=init)
+def out_format(as_json: bool, output: Output | str | None = None) -> Output:
+    """The output format of a command from its --json and -o options (--json wins)."""
+    return Output.json if as_json else Output(output or Output.table)
+
+
+def machine(fmt: Output | bool) -> bool:
+    """True when the output is for programs (json or yaml)."""
+    return fmt is True or fmt in (Output.json, Output.yaml)
+
+
+def _plain(data: Any) -> Any:
+    return json.loads(json.dumps(data, default=str))
 
 
 def print_json(data: Any) -> None:
@@ -43,40 +72,155 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-def fail(exc: VgpuCtlError, as_json: bool) -> NoReturn:
-    """Print an error (JSON on stdout with --json, text on stderr) and exit with its code."""
-    if as_json:
-        print_json({"error": exc.to_dict()})
+def emit(fmt: Output | bool, data: Any) -> None:
+    """Print `data` as YAML with -o yaml, else as JSON."""
+    if fmt is Output.yaml:
+        sys.stdout.write(yaml.safe_dump(_plain(data), sort_keys=False, allow_unicode=True))
     else:
-        err_console.print(f"[bold red]error[/] ({exc.code}): {exc.message}", markup=True)
-        for r in exc.reasons:
-            if r.get("kind") == "capacity":
-                counts = ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items())) or "no GPUs"
-                err_console.print(f"  pool {r['pool']}: {r['gpus']} GPUs considered: {counts}")
-            elif r.get("kind") == "quota":
-                scope = "all pools" if r["scope"] == "*" else f"pool {r['scope']}"
-                err_console.print(f"  {r['resource']} ({scope}): used {r['used']} + requested {r['requested']} "
-                                  f"> limit {r['limit']}")
+        print_json(data)
+
+
+def print_table(table: Table, fmt: Output | bool = Output.table) -> None:
+    """Print a table as wide as the terminal ($COLUMNS, else 80 when not a terminal); with -o wide as wide as
+    its cells."""
+    if fmt is Output.wide:
+        Console(highlight=False, width=WIDE, file=sys.stdout).print(table)
+    else:
+        console.print(table)
+
+
+def short_id(vm_id: str, fmt: Output | bool = Output.table) -> str:
+    """A VM id as a table shows it: its first 8 characters (any unique prefix is accepted back), whole with -o
+    wide."""
+    return vm_id if fmt is Output.wide else vm_id[:8]
+
+
+def open_controller(init: bool = True) -> Any:
+    """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN); InvalidInput
+    naming the URL and the accepted forms when the store URL is wrong or its store can't be opened."""
+    from vgpu_ctl.service.controller import TOKEN_ENV, Controller
+    url = check_store_url(STATE.db)
+    try:
+        token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
+        return Controller(url, token=token, actor=STATE.actor, init=init)
+    except VgpuCtlError:
+        raise
+    except Exception as exc:
+        from sqlalchemy.exc import SQLAlchemyError
+        if not isinstance(exc, SQLAlchemyError | OSError | ImportError):
+            raise
+        raise store_error(url, exc) from None
+
+
+URL_FORMS = ("sqlite:///RELATIVE/PATH.db, sqlite:////ABSOLUTE/PATH.db, "
+             "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE")
+
+
+def _shown(url: str) -> str:
+    """The URL with any password masked."""
+    from sqlalchemy.engine import make_url
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+def check_store_url(url: str | None) -> str | None:
+    """`url` if it is a store URL vgpu-ctl can use (None: the default store); InvalidInput naming it and the
+    accepted forms if not, or saying which extra to install when its driver is missing."""
+    if url is None:
+        return None
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None
+    if parsed is None or parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        hint = f" (for a SQLite file: sqlite:///{url})" if "://" not in url else ""
+        raise InvalidInput(f"--db {_shown(url)!r} is not a store URL vgpu-ctl can use{hint}; accepted: {URL_FORMS}",
+                           reasons=[{"field": "db", "value": _shown(url), "accepted": URL_FORMS}])
+    if parsed.get_backend_name() == "sqlite" and not parsed.database:
+        raise InvalidInput(f"--db {url!r} names no SQLite file; accepted: {URL_FORMS}",
+                           reasons=[{"field": "db", "value": url, "accepted": URL_FORMS}])
+    if parsed.get_backend_name() == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise InvalidInput(f"--db {_shown(url)}: a PostgreSQL store needs the psycopg driver, which is not "
+                               "installed; install it with: pip install 'vgpu-ctl[postgres]'",
+                               reasons=[{"field": "db", "value": _shown(url), "missing": "psycopg"}]) from None
+    return url
+
+
+def store_error(url: str | None, exc: BaseException) -> InvalidInput:
+    """The error for a store that can't be opened: the URL (password masked), the driver's first line."""
+    from vgpu_ctl.store.engine import default_url
+    shown = _shown(url or default_url())
+    orig = getattr(exc, "orig", None) or exc
+    detail = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    return InvalidInput(f"--db {shown}: can't open the store: {detail} (accepted forms: {URL_FORMS})",
+                        reasons=[{"field": "db", "value": shown, "error": detail}])
+
+
+def _reason_lines(exc: VgpuCtlError) -> list[str]:
+    lines = []
+    for r in exc.reasons:
+        if r.get("kind") == "capacity":
+            lines.append(f"  pool {r['pool']}: of {r['gpus']} GPUs considered, {refusal_counts(r['counts'])}")
+        elif r.get("kind") == "quota":
+            scope = "all pools" if r["scope"] == "*" else f"pool {r['scope']}"
+            lines.append(f"  {r['resource']} ({scope}): used {r['used']} + requested {r['requested']} "
+                         f"> limit {r['limit']}")
+    return lines
+
+
+def refusal_counts(counts: dict[str, int]) -> str:
+    """The counts of a capacity refusal in an admin's words."""
+    from vgpu_ctl.core.placement import describe_refusal
+    return describe_refusal(counts)
+
+
+def fail(exc: VgpuCtlError, fmt: Output | bool) -> NoReturn:
+    """Print an error (JSON or YAML on stdout for programs, text on stderr) and exit with its code."""
+    if machine(fmt):
+        emit(fmt, {"error": exc.to_dict()})
+    else:
+        err_console.print(f"[bold red]error[/] ({exc.code}): {escape(exc.message)}", markup=True)
+        for line in _reason_lines(exc):
+            err_console.print(line, markup=False)
     raise typer.Exit(exc.exit_code)
 
 
 @contextmanager
-def handled(as_json: bool = False) -> Iterator[None]:
+def handled(fmt: Output | bool = False) -> Iterator[None]:
     """Turn vgpu-ctl errors into a message and the documented exit code."""
     try:
         yield
     except VgpuCtlError as exc:
-        fail(exc, as_json)
+        fail(exc, fmt)
 
 
-def run(as_json: bool, fn: Callable[[Any], Any]) -> Any:
+def run(fmt: Output | bool, fn: Callable[[Any], Any]) -> Any:
     """Open the controller, call fn(controller) with errors handled, close it."""
-    with handled(as_json):
+    with handled(fmt):
         ctl = open_controller()
         try:
             return fn(ctl)
         finally:
             ctl.close()
+
+
+def confirm(question: str, fmt: Output | bool) -> None:
+    """Ask on the terminal; a no (or no answer: stdin closed) ends the command with exit 1, nothing changed."""
+    try:
+        yes = typer.confirm(question, default=False, err=True)
+    except typer.Abort:  # stdin closed: no answer
+        err_console.print()
+        yes = False
+    if not yes:
+        fail(VgpuCtlError("not confirmed; nothing was changed (pass --yes to skip the question)",
+                          code="not_confirmed"), fmt)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|K|M|G|T|KB|MB|GB|TB)?\s*$", re.IGNORECASE)
@@ -100,3 +244,98 @@ def progress(disable: bool = False) -> Progress:
     """A progress bar on the CLI's console; silent when disabled or when stdout is not a terminal."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=disable or not console.is_terminal)
+
+
+# -- the process: usage errors in the asked format, a closed pipe ------------------------------------------------
+
+def _asked_format(args: Sequence[str]) -> Output | None:
+    """json or yaml when the command line asks for it (--json, -o json, --output=yaml, -ojson); else None."""
+    for i, a in enumerate(args):
+        if a == "--json":
+            return Output.json
+        value = None
+        if a in ("-o", "--output") and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith("--output="):
+            value = a.split("=", 1)[1]
+        elif a.startswith("-o") and len(a) > 2:
+            value = a[2:]
+        if value is not None and value.lower() in ("json", "yaml"):
+            return Output(value.lower())
+    return None
+
+
+class VgpuctlGroup(TyperGroup):
+    """The top-level command group: with --json or -o json|yaml, usage errors (unknown option, bad number,
+    missing argument) are printed as `{"error": {"code": "usage", ...}}`, exit 2, like every other error."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        fmt = _asked_format(argv)
+        if fmt is None or not standalone_mode:
+            return super().main(argv, prog_name, complete_var, standalone_mode, windows_expand_args, **extra)
+        try:
+            rv = super().main(argv, prog_name, complete_var, False, windows_expand_args, **extra)
+        except ClickException as exc:
+            emit(fmt, {"error": {"code": "usage", "message": exc.format_message(), "reasons": []}})
+            sys.exit(2)
+        except typer.Abort:
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class PipeClosed(Exception):
+    """stdout's reader went away (`vgpuctl vm list | head -1`): not an error of the command."""
+
+
+class _PipeGuard:
+    """stdout that turns a broken pipe into PipeClosed (which click does not catch as an OSError)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.broken = False
+
+    def _closed(self) -> PipeClosed:
+        self.broken = True
+        return PipeClosed()
+
+    def write(self, text: str) -> int:
+        if self.broken:
+            raise PipeClosed
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def flush(self) -> None:
+        if self.broken:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def run_app(app: Callable[[], Any]) -> None:
+    """Run the CLI as a process: a closed stdout pipe ends it quietly (exit 0 if the command had not failed)."""
+    real = sys.stdout
+    guard = _PipeGuard(real)
+    sys.stdout = guard  # type: ignore[assignment,unused-ignore]
+    code: Any = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+    except PipeClosed:
+        code = 0
+    with suppress(PipeClosed):
+        guard.flush()
+    sys.stdout = real
+    if guard.broken:  # the interpreter's last flush must not hit the closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), real.fileno())
+    sys.exit(code)

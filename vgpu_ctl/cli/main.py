@@ -13,13 +13,25 @@ from vgpu_ctl.cli.admin import (
     reconcile_cmd,
     tenant_app,
 )
-from vgpu_ctl.cli.common import STATE, console, print_json, run
+from vgpu_ctl.cli.common import (
+    JSON_OPT,
+    OUTPUT_OPT,
+    STATE,
+    Output,
+    VgpuctlGroup,
+    console,
+    emit,
+    machine,
+    out_format,
+    run,
+    run_app,
+)
 from vgpu_ctl.cli.host_check import agent_app, host_check
 from vgpu_ctl.cli.ops import register as register_ops
 from vgpu_ctl.cli.vm import vm_app
 
 app = typer.Typer(help="vgpu-ctl: pools of NVIDIA vGPUs on KVM hosts, handed to tenants' VMs under quotas.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, cls=VgpuctlGroup)
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(inventory_app, name="inventory")
 app.add_typer(host_app, name="host")
@@ -33,11 +45,21 @@ host_app.command("check")(host_check)
 app.add_typer(agent_app, name="agent")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from vgpu_ctl import __version__
+        typer.echo(f"vgpuctl {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
-                                help="Store URL (default: SQLite under $VGPU_CTL_STATE_DIR or ~/.local/state)."),
+                                help="Store URL: sqlite:///PATH or postgresql://USER@HOST/DB (default: SQLite "
+                                     "under $VGPU_CTL_STATE_DIR or ~/.local/state/vgpu-ctl)."),
          token: str = typer.Option(None, "--token", help="Tenant API token (or $VGPU_CTL_TOKEN): act as that tenant."),
-         actor: str = typer.Option(None, "--actor", help="Name recorded in the audit trail.")) -> None:
+         actor: str = typer.Option(None, "--actor", help="Name recorded in the audit trail."),
+         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
     """Global options."""
     STATE.db = db
     STATE.token = token
@@ -45,14 +67,21 @@ def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
 
 
 @app.command("init")
-def init(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def init(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Create or upgrade the state store (and recompute every GPU's fit mask from the catalog)."""
+    fmt = out_format(as_json, output)
+
     def go(c: object) -> str:
         return str(c.init(refresh_fit_masks=True))  # type: ignore[attr-defined]
 
-    rev = run(as_json, go)
-    print_json({"schema": rev}) if as_json else console.print(f"store ready (schema {rev})")
+    rev = run(fmt, go)
+    emit(fmt, {"schema": rev}) if machine(fmt) else console.print(f"store ready (schema {rev})")
+
+
+def entry() -> None:
+    """The `vgpuctl` console script."""
+    run_app(app)
 
 
 if __name__ == "__main__":
-    app()
+    entry()

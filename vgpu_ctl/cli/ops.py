@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich import box
-from rich.console import Console
-from rich.table import Table
+from rich.console import Group
+from rich.live import Live
+from rich.table import Column, Table
 from rich.text import Text
 
-from vgpu_ctl.cli.common import console, handled, open_controller, parse_mib, print_json, progress, run
+from vgpu_ctl.cli.common import (
+    JSON_OPT,
+    OUTPUT_OPT,
+    Output,
+    confirm,
+    console,
+    emit,
+    handled,
+    machine,
+    open_controller,
+    out_format,
+    parse_mib,
+    print_table,
+    progress,
+    run,
+)
 from vgpu_ctl.errors import VgpuCtlError
 
 metrics_app = typer.Typer(help="Prometheus metrics of the fleet (admin).", no_args_is_help=True)
 db_app = typer.Typer(help="The state store: backup and restore (admin).", no_args_is_help=True)
-JSON_OPT = typer.Option(False, "--json", help="Print JSON.")
 
 
 def _fits_text(fits: dict[str, int]) -> str:
@@ -41,14 +59,6 @@ def _gib(mib: int) -> str:
     return f"{mib / 1024:g}GiB"
 
 
-def _print(table: Table) -> None:
-    """Print a table; when piped, as wide as it needs (nothing cut off)."""
-    if console.is_terminal:
-        console.print(table)
-    else:
-        Console(highlight=False, width=250).print(table)
-
-
 def _bar(text: str) -> Text:
     """The occupancy text with free cells dimmed and taken cells coloured (no markup parsing)."""
     out = Text()
@@ -58,61 +68,161 @@ def _bar(text: str) -> Text:
     return out
 
 
-def status(pool: str = typer.Option(None, help="Only this pool."),
-           host: str = typer.Option(None, help="Only this host's GPUs."), as_json: bool = JSON_OPT) -> None:
-    """What occupies each GPU, how many more of each profile fit per pool, and tenants' usage."""
-    from vgpu_ctl.ops.status import fleet_status
-    out = run(as_json, lambda c: fleet_status(c, pool=pool, host=host))
-    if as_json:
-        print_json(out)
-        return
+def _pause(seconds: float) -> None:
+    """Wait between two rounds of --watch or --follow."""
+    time.sleep(seconds)
+
+
+def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
+    wide = fmt is Output.wide
+    tables = []
     if out["gpus"]:
-        table = Table("host", "pci", "model", "mode", "pool", "occupancy", "free", title="GPUs",
-                      box=box.SIMPLE_HEAD)
+        table = Table(Column("GPU", no_wrap=True), Column("model", overflow="fold"),
+                      Column("mode", overflow="fold"), Column("pool", overflow="fold"),
+                      Column("occupancy", no_wrap=True), Column("free", no_wrap=True, justify="right"),
+                      title="GPUs", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        last = None
         for g in out["gpus"]:
-            host_name = g["host"] if g["host_state"] == "active" else \
-                f"{g['host']} [yellow]({g['host_state']})[/]"
-            table.add_row(host_name, g["pci"], g["model"], g["mode"], g["pool"] or "-",
-                          _bar(g["occupancy"]),
+            pci = g["pci"] if wide else g["pci"].removeprefix("0000:")
+            host = g["host"] if g["host_state"] == "active" else f"{g['host']} [yellow]({g['host_state']})[/]"
+            name = f"{host}/{pci}" if wide or g["host"] != last else f"{' ' * (len(g['host']) - 1)}…/{pci}"
+            last = g["host"]
+            mode = g["mode"] if wide else g["mode"].removeprefix("vgpu-")
+            table.add_row(name, g["model"], mode, g["pool"] or "-", _bar(g["occupancy"]),
                           f"{g['free_units']}/{g['axis_units']}")
-        _print(table)
+        tables.append(table)
     table = Table("pool", "GPUs", "still fits now (per profile, alone)", title="Pools", box=box.SIMPLE_HEAD)
     for p in out["pools"]:
         table.add_row(p["name"], str(p["gpus"]), _fits_text(p["fits"]))
-    _print(table)
+    tables.append(table)
     table = Table("tenant", "usage / limit", title="Tenants", box=box.SIMPLE_HEAD)
     for t in out["tenants"]:
         table.add_row(t["name"], _usage_text(t["usage"]))
-    _print(table)
+    tables.append(table)
+    return tables
+
+
+def status(pool: str = typer.Option(None, help="Only this pool."),
+           host: str = typer.Option(None, help="Only this host's GPUs."),
+           watch: float = typer.Option(None, "--watch", "-w", min=0.5, max=3600,
+                                       help="Redraw every SECONDS until Ctrl-C (JSON/YAML: one document each time)."),
+           as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
+    """What occupies each GPU, how many more of each profile fit per pool, and tenants' usage."""
+    from vgpu_ctl.ops.status import fleet_status
+    fmt = out_format(as_json, output)
+    if watch is None:
+        out = run(fmt, lambda c: fleet_status(c, pool=pool, host=host))
+        if machine(fmt):
+            emit(fmt, out)
+            return
+        for table in _status_tables(out, fmt):
+            print_table(table, fmt)
+        return
+    with handled(fmt):
+        ctl = open_controller()
+    try:
+        if machine(fmt) or not console.is_terminal:
+            while True:
+                with handled(fmt):
+                    out = fleet_status(ctl, pool=pool, host=host)
+                if machine(fmt):
+                    emit(fmt, out)
+                else:
+                    console.print(f"-- {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC", markup=False)
+                    for table in _status_tables(out, fmt):
+                        print_table(table, fmt)
+                _pause(watch)
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                with handled(fmt):
+                    out = fleet_status(ctl, pool=pool, host=host)
+                stamp = Text(f"every {watch:g}s, {datetime.now(UTC):%H:%M:%S} UTC (Ctrl-C to stop)", style="dim")
+                live.update(Group(stamp, *_status_tables(out, fmt)), refresh=True)
+                _pause(watch)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctl.close()
+
+
+def _event_row(e: dict[str, Any], fmt: Output) -> list[str]:
+    result = e["result"] if e["result"] == "ok" else f"[red]{e['result']}[/] {e['error'] or ''}"
+    details = ", ".join(f"{k}={v}" for k, v in e["params"].items() if k not in ("devices", "message"))
+    when = e["time"][:19] if fmt is Output.wide else e["time"][5:19].replace("T", " ")
+    target = e["target"]
+    if fmt is not Output.wide and target.startswith("vm:") and len(target) == 39:  # vm:<uuid>
+        target = target[:11]
+    return [when, e["actor"], e["tenant"] or "-", e["action"], target, result, details]
+
+
+def _event_table(rows: list[dict[str, Any]], fmt: Output) -> Table:
+    table = Table(Column("time (UTC)", no_wrap=True), Column("actor", overflow="fold"),
+                  Column("tenant", overflow="fold"), Column("action", no_wrap=True),
+                  Column("target", overflow="fold"), Column("result", overflow="fold"),
+                  Column("details", overflow="fold", ratio=1), box=box.SIMPLE_HEAD, pad_edge=False)
+    for e in rows:
+        table.add_row(*_event_row(e, fmt))
+    return table
 
 
 def events(tenant: str = typer.Option(None, help="Only this tenant's events."),
            since: str = typer.Option(None, help="ISO time, or a span back from now: 30m, 1h, 2d."),
-           limit: int = typer.Option(1000, help="At most this many events."),
-           as_json: bool = JSON_OPT) -> None:
+           limit: int = typer.Option(1000, min=1, help="At most this many events."),
+           follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until Ctrl-C."),
+           interval: float = typer.Option(1.0, min=0.1, max=60, help="With --follow: seconds between polls."),
+           as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """The audit trail: who did what to which object, when, with what result."""
     from vgpu_ctl.ops.events import list_events
-    rows = run(as_json, lambda c: list_events(c, tenant=tenant, since=since, limit=limit))
-    if as_json:
-        print_json(rows)
+    fmt = out_format(as_json, output)
+    if not follow:
+        rows = run(fmt, lambda c: list_events(c, tenant=tenant, since=since, limit=limit))
+        if machine(fmt):
+            emit(fmt, rows)
+            return
+        print_table(_event_table(rows, fmt), fmt)
         return
-    table = Table("time", "actor", "tenant", "action", "target", "result", "details")
-    for e in rows:
-        result = e["result"] if e["result"] == "ok" else f"[red]{e['result']}[/] {e['error'] or ''}"
-        details = ", ".join(f"{k}={v}" for k, v in e["params"].items() if k not in ("devices", "message"))
-        table.add_row(e["time"][:19], e["actor"], e["tenant"] or "-", e["action"], e["target"], result,
-                      details)
-    _print(table)
+    with handled(fmt):
+        ctl = open_controller()
+    try:
+        seen: set[int] = set()
+        after: str | None = since
+        while True:
+            with handled(fmt):
+                rows = list_events(ctl, tenant=tenant, since=after, limit=limit)
+            for e in rows:
+                if e["id"] in seen:
+                    continue
+                seen.add(e["id"])
+                after = e["time"]
+                _print_event(e, fmt)
+            sys.stdout.flush()
+            _pause(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctl.close()
+
+
+def _print_event(e: dict[str, Any], fmt: Output) -> None:
+    """One event as it arrives: a JSON object per line, a YAML document, or a line of text."""
+    if fmt is Output.json:
+        sys.stdout.write(json.dumps(e, default=str) + "\n")
+    elif fmt is Output.yaml:
+        sys.stdout.write("---\n")
+        emit(fmt, e)
+    else:
+        console.print(" ".join(_event_row(e, fmt)))
 
 
 def doctor(stuck_minutes: float = typer.Option(10.0, help="Fail VMs in an intermediate state this long."),
-           as_json: bool = JSON_OPT) -> None:
+           as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Check the store's invariants; exit 1 and say how to fix it when any fails."""
     from vgpu_ctl.ops.doctor import diagnose
-    results = run(as_json, lambda c: diagnose(c, stuck_minutes))
+    fmt = out_format(as_json, output)
+    results = run(fmt, lambda c: diagnose(c, stuck_minutes))
     ok = all(r.ok for r in results)
-    if as_json:
-        print_json({"ok": ok, "checks": [r.to_dict() for r in results]})
+    if machine(fmt):
+        emit(fmt, {"ok": ok, "checks": [r.to_dict() for r in results]})
     else:
         for r in results:
             console.print(f"{'[green]ok[/]  ' if r.ok else '[red]FAIL[/]'} {r.name}: {r.description}")
@@ -158,42 +268,45 @@ def metrics_serve(port: int = typer.Option(9839, help="TCP port."),
 
 @db_app.command("backup")
 def db_backup(file: Path = typer.Argument(..., help="Backup file to write (replaced if it exists)."),
-              as_json: bool = JSON_OPT) -> None:
+              as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Copy the SQLite store to FILE, consistently, while the controller is in use."""
     from vgpu_ctl.ops.backup import backup
-    out = run(as_json, lambda c: backup(c, file))
-    print_json(out) if as_json else console.print(f"backed up {out['store']} to {out['file']} "
+    fmt = out_format(as_json, output)
+    out = run(fmt, lambda c: backup(c, file))
+    emit(fmt, out) if machine(fmt) else console.print(f"backed up {out['store']} to {out['file']} "
                                                   f"({out['bytes']} bytes, schema {out['schema']})")
 
 
 @db_app.command("restore")
 def db_restore(file: Path = typer.Argument(..., help="A backup written by `vgpuctl db backup`."),
                yes: bool = typer.Option(False, "--yes", "-y", help="Don't ask for confirmation."),
-               as_json: bool = JSON_OPT) -> None:
+               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Replace the store with FILE (all at once); refuses files that aren't vgpu-ctl stores or are newer."""
     from vgpu_ctl.ops.backup import inspect_file, restore
-    with handled(as_json):
+    fmt = out_format(as_json, output)
+    with handled(fmt):
         inspect_file(file)
     if not yes:
-        typer.confirm(f"replace the whole store with {file}?", abort=True)
-    with handled(as_json):
+        confirm(f"replace the whole store with {file}?", fmt)
+    with handled(fmt):
         ctl = open_controller(init=False)  # the store may be broken: restoring is what mends it
         try:
             out = restore(ctl, file)
         finally:
             ctl.close()
-    print_json(out) if as_json else console.print(f"restored {out['store']} from {out['file']} "
+    emit(fmt, out) if machine(fmt) else console.print(f"restored {out['store']} from {out['file']} "
                                                   f"(schema {out['restored_schema']} -> {out['schema']})")
 
 
 @db_app.command("repair-usage")
 def db_repair_usage(apply: bool = typer.Option(False, "--apply", help="Make the changes (default: show them)."),
-                    as_json: bool = JSON_OPT) -> None:
+                    as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Recompute tenants' and hosts' usage from what is allocated: shows the changes (a dry run), makes them
     with --apply (audited)."""
-    changes = run(as_json, lambda c: c.repair_usage(dry_run=not apply))
-    if as_json:
-        print_json({"applied": apply, "changes": changes})
+    fmt = out_format(as_json, output)
+    changes = run(fmt, lambda c: c.repair_usage(dry_run=not apply))
+    if machine(fmt):
+        emit(fmt, {"applied": apply, "changes": changes})
         return
     for ch in changes:
         console.print(f"{ch['object']}: {ch['resource']} {ch['stored']} -> {ch['allocated']}", markup=False)
@@ -209,18 +322,19 @@ def vm_create_many(tenant: str = typer.Option(..., help="Tenant that owns the VM
                    vcpus: int = typer.Option(..., help="vCPUs per VM."),
                    memory: str = typer.Option(..., help="Memory per VM, e.g. 32GiB."),
                    pool: str = typer.Option(None, help="Pool to place in (default: any)."),
-                   as_json: bool = JSON_OPT) -> None:
+                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Create NUMBER VMs one after another with a progress bar; a summary of placed and refused.
     Exit 0 if all were placed, else the exit code of the first failure (3 refused, 5 conflict, 6 host)."""
+    fmt = out_format(as_json, output)
     width = len(str(number))
     placed: list[str] = []
     failed: list[dict[str, Any]] = []
     first: VgpuCtlError | None = None
-    with handled(as_json):
+    with handled(fmt):
         memory_mib = parse_mib("memory", memory)
         ctl = open_controller()
     try:
-        with progress(disable=as_json) as bar:
+        with progress(disable=machine(fmt)) as bar:
             task = bar.add_task(f"creating VMs for {tenant}", total=number)
             for i in range(1, number + 1):
                 name = f"{prefix}{i:0{width}d}"
@@ -230,7 +344,7 @@ def vm_create_many(tenant: str = typer.Option(..., help="Tenant that owns the VM
                     placed.append(name)
                 except VgpuCtlError as exc:
                     if exc.exit_code in (2, 4, 7):  # bad input, unknown tenant, not allowed: same for all
-                        with handled(as_json):
+                        with handled(fmt):
                             raise
                     first = first or exc
                     failed.append({"name": name, "result": "refused" if exc.exit_code == 3 else "failed",
@@ -238,15 +352,15 @@ def vm_create_many(tenant: str = typer.Option(..., help="Tenant that owns the VM
                 bar.advance(task)
     finally:
         ctl.close()
-    _summary(placed, failed, as_json)
+    _summary(placed, failed, fmt)
     if first is not None:
         raise typer.Exit(first.exit_code)
 
 
-def _summary(placed: list[str], failed: list[dict[str, Any]], as_json: bool) -> None:
+def _summary(placed: list[str], failed: list[dict[str, Any]], fmt: Output) -> None:
     refused = [f for f in failed if f["result"] == "refused"]
-    if as_json:
-        print_json({"placed": placed, "refused": refused, "failed": [f for f in failed if f not in refused]})
+    if machine(fmt):
+        emit(fmt, {"placed": placed, "refused": refused, "failed": [f for f in failed if f not in refused]})
         return
     console.print(f"[green]placed {len(placed)}[/], [yellow]refused {len(refused)}[/], "
                   f"[red]failed {len(failed) - len(refused)}[/]")

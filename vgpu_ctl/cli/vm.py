@@ -7,10 +7,23 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from vgpu_ctl.cli.common import console, parse_mib, print_json, run
+from vgpu_ctl.cli.common import (
+    JSON_OPT,
+    OUTPUT_OPT,
+    Output,
+    console,
+    emit,
+    machine,
+    out_format,
+    parse_mib,
+    print_table,
+    run,
+    short_id,
+)
 from vgpu_ctl.errors import InvalidInput
 
 vm_app = typer.Typer(help="Virtual machines with vGPUs.", no_args_is_help=True)
+VM_ARG = typer.Argument(..., help="VM id (or a unique prefix of it, as `vm list` shows), name, or TENANT/NAME.")
 
 
 def _labels(items: list[str]) -> dict[str, str]:
@@ -34,6 +47,10 @@ def print_vm(vm: Any) -> None:
         console.print(f"  [red]error:[/] {vm.error}")
 
 
+def _show(fmt: Output, vm: Any) -> None:
+    emit(fmt, vm.to_dict()) if machine(fmt) else print_vm(vm)
+
+
 @vm_app.command("create")
 def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
               name: str = typer.Option(..., help="VM name (unique per tenant)."),
@@ -47,72 +64,80 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
               idempotency_key: str = typer.Option(None, help="Same key twice gives the same VM."),
               template: str = typer.Option(None, help="Domain template name."),
               dry_run: bool = typer.Option(False, "--dry-run", help="Show where it would go; claim nothing."),
-              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+              as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Request a VM with vGPUs: place, claim, create devices, define and start it."""
+    fmt = out_format(as_json, output)
+
     def go(c: Any) -> Any:
         return c.request_vm(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
                             memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                             anti_affinity=anti_affinity, idempotency_key=idempotency_key, template=template,
                             dry_run=dry_run)
 
-    out = run(as_json, go)
-    if as_json:
-        print_json(out.to_dict())
+    out = run(fmt, go)
+    if machine(fmt):
+        emit(fmt, out.to_dict())
     elif dry_run:
         console.print(f"would place on {out.host} (pool {out.pool}):")
         for d in out.devices:
-            console.print(f"  {d['profile']} on {d['gpu']} at {d['start']}+{d['size']}")
+            console.print(f"  {d.profile} on {d.gpu} at {d.start}+{d.size}")
     else:
         print_vm(out)
 
 
 @vm_app.command("delete")
-def vm_delete(vm: str = typer.Argument(..., help="VM id, name, or TENANT/NAME."),
-              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def vm_delete(vm: str = VM_ARG, as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Delete a VM: domain, then devices, then claim and quota."""
-    run(as_json, lambda c: c.release_vm(vm))
-    print_json({"deleted": vm}) if as_json else console.print(f"VM {vm} deleted")
+    fmt = out_format(as_json, output)
+    run(fmt, lambda c: c.release_vm(vm))
+    emit(fmt, {"deleted": vm}) if machine(fmt) else console.print(f"VM {vm} deleted")
 
 
 @vm_app.command("list")
 def vm_list(tenant: str = typer.Option(None, help="Only this tenant's VMs."),
-            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """List VMs."""
-    vms = run(as_json, lambda c: c.list_vms(tenant))
-    if as_json:
-        print_json([v.to_dict() for v in vms])
+            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
+    """List VMs (ids shortened to 8 characters, which commands accept back; whole with -o wide)."""
+    fmt = out_format(as_json, output)
+    vms = run(fmt, lambda c: c.list_vms(tenant))
+    if machine(fmt):
+        emit(fmt, [v.to_dict() for v in vms])
         return
-    table = Table("tenant", "name", "state", "host", "pool", "vGPUs", "id")
+    columns = ["id", "tenant", "name", "state", "host", "pool", "vGPUs"]
+    if fmt is Output.wide:
+        columns += ["vCPUs", "memory MiB", "devices"]
+    table = Table(*columns)
     for v in vms:
-        table.add_row(v.tenant, v.name, v.state, v.host or "-", v.pool or "-",
-                      ", ".join(d.profile for d in v.devices), v.id)
-    console.print(table)
+        row = [short_id(v.id, fmt), v.tenant, v.name, v.state, v.host or "-", v.pool or "-",
+               ", ".join(d.profile for d in v.devices)]
+        if fmt is Output.wide:
+            row += [str(v.vcpus), str(v.memory_mib), ", ".join(f"{d.gpu}@{d.start}" for d in v.devices)]
+        table.add_row(*row)
+    print_table(table, fmt)
 
 
 @vm_app.command("show")
-def vm_show(vm: str = typer.Argument(..., help="VM id, name, or TENANT/NAME."),
-            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def vm_show(vm: str = VM_ARG, as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Show one VM with its devices."""
-    out = run(as_json, lambda c: c.get_vm(vm))
-    print_json(out.to_dict()) if as_json else print_vm(out)
+    fmt = out_format(as_json, output)
+    _show(fmt, run(fmt, lambda c: c.get_vm(vm)))
 
 
 @vm_app.command("start")
-def vm_start(vm: str, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def vm_start(vm: str = VM_ARG, as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Start a stopped VM."""
-    out = run(as_json, lambda c: c.start_vm(vm))
-    print_json(out.to_dict()) if as_json else print_vm(out)
+    fmt = out_format(as_json, output)
+    _show(fmt, run(fmt, lambda c: c.start_vm(vm)))
 
 
 @vm_app.command("stop")
-def vm_stop(vm: str, force: bool = typer.Option(False, "--force", help="Destroy instead of shutting down."),
-            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def vm_stop(vm: str = VM_ARG, force: bool = typer.Option(False, "--force", help="Destroy instead of shutting down."),
+            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Stop a running VM (its vGPUs stay claimed)."""
-    out = run(as_json, lambda c: c.stop_vm(vm, force=force))
-    print_json(out.to_dict()) if as_json else print_vm(out)
+    fmt = out_format(as_json, output)
+    _show(fmt, run(fmt, lambda c: c.stop_vm(vm, force=force)))
 
 
 @vm_app.command("xml")
-def vm_xml(vm: str) -> None:
+def vm_xml(vm: str = VM_ARG) -> None:
     """Print the VM's rendered, validated domain XML."""
     print(run(False, lambda c: c.vm_xml(vm)))

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from sqlalchemy import Integer, String, bindparam, cast, select
 from sqlalchemy.engine import Connection, Engine
@@ -25,6 +26,7 @@ from vgpu_ctl.core.placement import (
     PlacementRequest,
     Policy,
     TaskShape,
+    describe_refusal,
     explain,
     get_policy,
     plan,
@@ -37,6 +39,7 @@ from vgpu_ctl.errors import (
     PermissionDenied,
     QuotaExceeded,
     Refused,
+    did_you_mean,
 )
 from vgpu_ctl.inventory import MAX_EVENTS, InventoryDecl, check_int, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
@@ -45,7 +48,15 @@ from vgpu_ctl.service.fit_masks import ensure_fit_masks
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.leases import expiry, new_holder
 from vgpu_ctl.service.quotas import VM, repair_usage, set_limits, usage_report
-from vgpu_ctl.service.requests import BASE_RESOURCES, DeviceInfo, Placement, VgpuRequest, VmInfo, VmRequest
+from vgpu_ctl.service.requests import (
+    BASE_RESOURCES,
+    DeviceInfo,
+    PlacedDevice,
+    Placement,
+    VgpuRequest,
+    VmInfo,
+    VmRequest,
+)
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
 from vgpu_ctl.store.engine import make_engine, state_dir
@@ -53,6 +64,7 @@ from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_al
 from vgpu_ctl.store.writer_queue import WriterQueue
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
+_ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of a VM id, no LIKE wildcards
 MAX_RETRIES = 30
 
 # The claim path's statements, compiled once (see vgpu_ctl.store.prepared).
@@ -129,8 +141,9 @@ class Controller:
             self._upgrade(refresh_fit_masks=False)
         elif init:
             migrate.require_head(self.engine)
-        from vgpu_ctl.service.hosts import HostFactory
-        self.hosts = host_factory or HostFactory(self.state_path)
+        from vgpu_ctl.service.hosts import HostFactory, simulated_state_dir
+        self.hosts = host_factory or HostFactory(  # simulated hosts live with their store
+            self.state_path, simulated_dir=simulated_state_dir(self.engine.url, self.state_path))
         self.principal = self._principal(token, actor)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
@@ -155,6 +168,12 @@ class Controller:
     def write_turn(self) -> AbstractContextManager[None]:
         """Wait for this process's turn to write (SQLite: the store's writer queue; PostgreSQL: no wait)."""
         return self._writers.turn() if self._writers is not None else nullcontext()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Release database connections and host connections."""
@@ -213,35 +232,53 @@ class Controller:
         """The catalog's profiles, of one model or all."""
         return self.catalog.profiles(model)
 
-    def apply_inventory(self, path: Path, dry_run: bool = False,
-                        progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
-        """Make the store match an inventory file; the changes (none made with dry_run)."""
+    def apply_inventory(self, path: str | Path, dry_run: bool = False,
+                        progress: Callable[[int, int, str], None] | None = None, *, prune: bool = False,
+                        expected_removals: Collection[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+        """Add and update what an inventory file declares (with `prune`, also remove what it leaves out; else
+        that is reported as `keep`); the changes (none made with dry_run). See `apply_declaration`."""
         self._admin("inventory apply")
-        inv = parse_inventory(path, self.catalog)
-        return self.apply_declaration(inv, dry_run=dry_run, source=str(path), progress=progress)
+        inv = parse_inventory(Path(path), self.catalog)
+        return self.apply_declaration(inv, dry_run=dry_run, source=str(path), progress=progress, prune=prune,
+                                      expected_removals=expected_removals)
 
     def apply_declaration(self, inv: InventoryDecl, dry_run: bool = False, source: str = "api",
-                          progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
-        """Make the store match a parsed inventory; the changes (none made with dry_run)."""
+                          progress: Callable[[int, int, str], None] | None = None, *, prune: bool = False,
+                          expected_removals: Collection[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+        """Add and update a parsed inventory's pools, hosts and GPUs (with `prune`, also remove those it leaves
+        out); the changes (none made with dry_run). With `expected_removals` (the (kind, name) pairs a preview
+        showed), Conflict and nothing changed if the apply would remove anything else."""
         self._admin("inventory apply")
         from vgpu_ctl.service.host_types import discover_hosts, record_all
         found = discover_hosts(self, inv.hosts)  # libvirt hosts: what each calls each profile (no lock held)
         with self.write_turn(), self.engine.connect() as conn:
             trans = conn.begin()
             try:
-                changes = apply_inventory(conn, self.catalog, inv, progress)
+                changes = apply_inventory(conn, self.catalog, inv, progress, prune=prune,
+                                          expected_removals=expected_removals)
                 changes += record_all(conn, self.catalog, found)
                 if dry_run:
                     trans.rollback()
                 else:
-                    if changes:
+                    if any(c["action"] != "keep" for c in changes):
                         record(conn, self.principal.actor, "inventory.apply", source,
-                               params={"changes": len(changes)})
+                               params={"changes": sum(c["action"] != "keep" for c in changes)})
                     trans.commit()
             except BaseException:
                 trans.rollback()
                 raise
         return changes
+
+    def set_host_state(self, name: str, state: str) -> dict[str, Any]:
+        """Set a host's scheduling state: `draining` (cordon: no new VMs, its VMs stay), `active` (uncordon),
+        `down`. The host, the state before and after, and the VMs still on it."""
+        self._admin("host state")
+        from vgpu_ctl.service.hosts import set_host_state
+        with self.tx() as conn:
+            out = set_host_state(conn, name, state)
+            if out["from"] != state:
+                record(conn, self.principal.actor, "host.state", name, params={"from": out["from"], "to": state})
+        return out
 
     def inventory(self) -> dict[str, Any]:
         """Pools, hosts and GPUs as the store holds them."""
@@ -337,8 +374,9 @@ class Controller:
         self._admin("quota set")
         for key in limits:
             if key.startswith("profile:") and key[8:] not in self.catalog.profile_names():
-                raise InvalidInput(f"unknown profile {key[8:]!r} in --profile", reasons=[{"field": "profile",
-                                                                                        "value": key[8:]}])
+                raise InvalidInput(f"unknown profile {key[8:]!r} in --profile"
+                                   f"{did_you_mean(key[8:], self.catalog.profile_names())}",
+                                   reasons=[{"field": "profile", "value": key[8:]}])
         with self.tx() as conn:
             t = self._tenant_row(conn, tenant)
             if pool is not None:
@@ -380,7 +418,8 @@ class Controller:
         wanted = list(dict.fromkeys(v.profile for v in req.vgpus))
         for profile in wanted:
             if profile not in names:
-                raise InvalidInput(f"unknown profile {profile!r} (see vgpuctl profiles list)",
+                raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, names)} "
+                                   "(see vgpuctl profiles list)",
                                    reasons=[{"field": "profile", "value": profile}])
         if not offers_too:
             return list(pools)
@@ -398,10 +437,33 @@ class Controller:
         assert p is not None
         return p.framebuffer_mib
 
+    @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: bool = False, provision: bool = True) -> Any:
+                   template: str | None = None, dry_run: Literal[False] = False, provision: bool = True) -> VmInfo:
+        ...
+
+    @overload
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: Literal[True], provision: bool = True) -> Placement:
+        ...
+
+    @overload
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: bool = False,
+                   provision: bool = True) -> VmInfo | Placement:
+        ...
+
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: bool = False,
+                   provision: bool = True) -> VmInfo | Placement:
         """Place a VM with vGPUs and claim them in one transaction; then (unless dry_run) create its devices
         and domain. Returns VmInfo, or a Placement with dry_run. QuotaExceeded / NoCapacity explain a refusal."""
         if isinstance(vgpus, str):
@@ -632,8 +694,7 @@ class Controller:
                 parts.append(f"pool {r['scope']}: over the tenant's {r['resource']} limit "
                              f"({r['used']} used + {r['requested']} > {r['limit']})")
             else:
-                counts = ", ".join(f"{n} {k}" for k, n in sorted(r["counts"].items())) or "none usable"
-                parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {counts}")
+                parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {describe_refusal(r['counts'])}")
         return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
                           f"{req.memory_mib} MiB): {'; '.join(parts)}", reasons=reasons)
 
@@ -654,8 +715,8 @@ class Controller:
         backing = {d.gpu_id: self._backing(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
                                            page.backings[chosen.host_id]) for d in chosen.devices}
         pcis = page.pcis
-        placement_devices = tuple({"gpu": f"{chosen.host}/{pcis[d.gpu_id]}", "profile": d.profile,
-                                   "start": d.start, "size": d.size} for d in chosen.devices)
+        placement_devices = tuple(PlacedDevice(f"{chosen.host}/{pcis[d.gpu_id]}", d.profile, d.start, d.size)
+                                  for d in chosen.devices)
         if dry_run:
             return Placement(chosen.host, pool.name, placement_devices)
         vm_id = str(uuid.uuid4())
@@ -671,7 +732,7 @@ class Controller:
         rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
         record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
                params={"name": req.name, "host": chosen.host, "pool": pool.name,
-                       "devices": list(placement_devices)})
+                       "devices": [d.to_dict() for d in placement_devices]})
         devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
                                    r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
                         for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
@@ -697,6 +758,13 @@ class Controller:
             rows = conn.execute(q.where(VM.c.name == ref)).all()
         if self.principal.tenant_id is not None:
             rows = [r for r in rows if r.tenant_id == self.principal.tenant_id]
+        if not rows and _ID_PREFIX.fullmatch(ref):  # a unique prefix of the id, as `vm list` shows it
+            rows = [r for r in conn.execute(q.where(VM.c.id.like(f"{ref}%")).limit(50)).all()
+                    if self.principal.tenant_id is None or r.tenant_id == self.principal.tenant_id]
+            if len(rows) > 1:
+                raise InvalidInput(f"VM id prefix {ref!r} matches {len(rows)} VMs "
+                                   f"({', '.join(sorted(r.id[:12] for r in rows))}); give more of the id",
+                                   reasons=[{"field": "vm", "value": ref}])
         if not rows:
             raise NotFound(f"VM {ref!r} not found", reasons=[{"field": "vm", "value": ref}])
         if len(rows) > 1:
@@ -780,13 +848,16 @@ class Controller:
         return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
 
-    def reconcile(self, fix: bool = False, stuck_after_seconds: float = 300, progress: Any = None) -> Any:
-        """Compare store and hosts (orphan devices, unknown domains, lost VMs, stuck claims); repair with fix."""
+    def reconcile(self, fix: bool = False, stuck_after_seconds: float = 300, progress: Any = None,
+                  confirm_undefine: Callable[[Any], bool] | None = None) -> Any:
+        """Compare store and hosts (orphan devices, unknown domains, lost VMs, stuck claims); repair with fix (a
+        running domain of a VM the store does not know only when `confirm_undefine(finding)` says yes)."""
         self._admin("reconcile")
         from datetime import timedelta
 
         from vgpu_ctl.service.reconcile import reconcile
-        return reconcile(self, fix=fix, stuck_after=timedelta(seconds=stuck_after_seconds), progress=progress)
+        return reconcile(self, fix=fix, stuck_after=timedelta(seconds=stuck_after_seconds), progress=progress,
+                         confirm_undefine=confirm_undefine)
 
 
 __all__ = ["BASE_RESOURCES", "Controller", "Principal"]

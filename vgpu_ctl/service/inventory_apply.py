@@ -1,8 +1,12 @@
-"""Making the store match an inventory file: the changes, applied in one transaction or not at all."""
+"""Applying an inventory file to the store: the changes, made in one transaction or not at all.
+
+A file adds and updates what it declares. Removing what it leaves out (hosts, their GPUs, pools) happens only
+with `prune`; without it, each such object is reported as a `keep` change and left as it is.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from sqlalchemy import Table, select
@@ -26,10 +30,24 @@ def _pool_fields(p: PoolDecl) -> dict[str, Any]:
     return {"policy": p.policy, "template": p.template, "description": p.description, "demand": demand}
 
 
-def _host_fields(h: HostDecl) -> dict[str, Any]:
-    return {"uri": h.uri, "driver": h.driver, "vgpu_backing": h.vgpu_backing, "labels": dict(h.labels),
-            "vcpus": h.vcpus, "memory_mib": h.memory_mib, "cpu_overcommit": h.cpu_overcommit,
-            "memory_overcommit": h.memory_overcommit, "state": h.state}
+def _host_fields(h: HostDecl, new: bool) -> dict[str, Any]:
+    """The host's columns from its declaration; a `state` the file does not give is left as the store has it
+    (so `vgpuctl host cordon` outlives the next apply), except on a new host."""
+    fields = {"uri": h.uri, "driver": h.driver, "vgpu_backing": h.vgpu_backing, "labels": dict(h.labels),
+              "vcpus": h.vcpus, "memory_mib": h.memory_mib, "cpu_overcommit": h.cpu_overcommit,
+              "memory_overcommit": h.memory_overcommit}
+    if new or "state" in h.model_fields_set:
+        fields["state"] = h.state
+    return fields
+
+
+def _keep(kind: str, name: str) -> Change:
+    return {"action": "keep", "kind": kind, "name": name, "reason": "not in the file; --prune removes it"}
+
+
+def removals(changes: Collection[Change]) -> list[tuple[str, str]]:
+    """(kind, name) of each removal among `changes`."""
+    return [(c["kind"], c["name"]) for c in changes if c["action"] == "remove"]
 
 
 def _gpu_fields(catalog: Catalog, g: GpuDecl, pool_ids: Mapping[str, int]) -> dict[str, Any]:
@@ -64,9 +82,12 @@ def _vms_on(conn: Connection, gpu_ids: list[int]) -> list[str]:
 
 
 def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
-                    progress: Callable[[int, int, str], None] | None = None) -> list[Change]:
-    """Bring pools, hosts and GPUs in the store to the declaration; the changes made, in order.
-    Conflict (naming the VMs) if a host or GPU that holds devices would be removed or re-carved."""
+                    progress: Callable[[int, int, str], None] | None = None, prune: bool = False,
+                    expected_removals: Collection[tuple[str, str]] | None = None) -> list[Change]:
+    """Add and update the declared pools, hosts and GPUs; with `prune`, also remove those the declaration leaves
+    out (else they are kept and reported as `keep`). The changes, in order. Conflict (naming the VMs) if a host or
+    GPU that holds devices would be removed or re-carved, or if `expected_removals` is given and a removal is
+    not in it (the store changed since the preview that was confirmed)."""
     changes: list[Change] = []
     pools = {r.name: r for r in conn.execute(select(POOL)).all()}
     for p in inv.pools:
@@ -84,7 +105,7 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
     for i, h in enumerate(inv.hosts):
         if progress is not None:
             progress(i, len(inv.hosts), h.name)
-        fields = _host_fields(h)
+        fields = _host_fields(h, new=h.name not in hosts)
         if h.name not in hosts:
             inserted = conn.execute(HOST.insert().values(name=h.name, **fields)).inserted_primary_key
             assert inserted is not None
@@ -96,9 +117,12 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
             if d := _diff(hosts[h.name]._mapping, fields):
                 conn.execute(HOST.update().where(HOST.c.id == host_id).values(**fields))
                 changes.append({"action": "update", "kind": "host", "name": h.name, "fields": d})
-        changes.extend(_apply_gpus(conn, catalog, h, host_id, pool_ids))
+        changes.extend(_apply_gpus(conn, catalog, h, host_id, pool_ids, prune))
     for name, row in hosts.items():
         if name in declared_hosts:
+            continue
+        if not prune:
+            changes.append(_keep("host", name))
             continue
         gpu_ids = [r[0] for r in conn.execute(select(GPU.c.id).where(GPU.c.host_id == row.id))]
         if vms := _vms_on(conn, gpu_ids) or sorted(
@@ -113,6 +137,9 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
     for name, row in pools.items():
         if name in declared_pools:
             continue
+        if not prune:
+            changes.append(_keep("pool", name))
+            continue
         vms = sorted(r[0] for r in conn.execute(select(VM.c.name).where(VM.c.pool_id == row.id)))
         if vms:
             raise Conflict(f"pool {name!r} is not in the file but VMs use it: {', '.join(vms)}",
@@ -120,11 +147,18 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
         conn.execute(GPU.update().where(GPU.c.pool_id == row.id).values(pool_id=None))
         conn.execute(POOL.delete().where(POOL.c.id == row.id))
         changes.append({"action": "remove", "kind": "pool", "name": name})
+    if expected_removals is not None:
+        unconfirmed = [f"{kind} {name}" for kind, name in removals(changes)
+                       if (kind, name) not in set(map(tuple, expected_removals))]
+        if unconfirmed:
+            raise Conflict(f"the store changed since the preview: applying would now also remove "
+                           f"{', '.join(unconfirmed)}; nothing was changed, run it again",
+                           reasons=[{"unconfirmed": unconfirmed}])
     return changes
 
 
 def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
-                pool_ids: Mapping[str, int]) -> list[Change]:
+                pool_ids: Mapping[str, int], prune: bool) -> list[Change]:
     changes: list[Change] = []
     pool_names = {v: k for k, v in pool_ids.items()}
     existing = {r.pci_address: r for r in conn.execute(select(GPU).where(GPU.c.host_id == host_id)).all()}
@@ -161,6 +195,9 @@ def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
     declared = {g.pci for g in h.gpus}
     for pci, row in existing.items():
         if pci in declared:
+            continue
+        if not prune:
+            changes.append(_keep("gpu", f"{h.name}/{pci}"))
             continue
         if row.device_count:
             vms = _vms_on(conn, [row.id])

@@ -64,8 +64,9 @@ class ReconcileReport:
 
 
 def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timedelta(minutes=5),
-              progress: Any = None) -> ReconcileReport:
-    """Compare every host with the store; with `fix`, repair what is safe to repair."""
+              progress: Any = None, confirm_undefine: Callable[[Finding], bool] | None = None) -> ReconcileReport:
+    """Compare every host with the store; with `fix`, repair what is safe to repair. A running domain of a VM
+    the store does not know is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
     report = ReconcileReport()
     with ctl.engine.connect() as conn:
         hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
@@ -96,7 +97,9 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
             elif vm_id not in vm_ids:
                 f = Finding("unknown-domain", host.name, d.name, f"vgpu-ctl domain of VM {vm_id} the store "
                                                                  "does not know", action="undefine domain")
-                if fix:
+                if fix and d.active and (confirm_undefine is None or not confirm_undefine(f)):
+                    f.action = "left running (not confirmed)"
+                elif fix:
                     _try(f, partial(driver.undefine_domain, d.name))
                     used_by_domain -= set(d.metadata.get("devices", "").split(","))
                 report.findings.append(f)

@@ -112,13 +112,27 @@ class VmInfo:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """What a dry run (or a claim) decided."""
+class PlacedDevice:
+    """Where a dry run would put one vGPU: the GPU ("host/0000:41:00.0"), the profile, its position."""
 
-    host: str
-    pool: str | None
-    devices: tuple[dict[str, Any], ...]
+    gpu: str
+    profile: str
+    start: int
+    size: int
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
-        return {"host": self.host, "pool": self.pool, "devices": list(self.devices)}
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a dry run decided: the host, the pool and where each vGPU would go."""
+
+    host: str
+    pool: str | None
+    devices: tuple[PlacedDevice, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"host": self.host, "pool": self.pool, "devices": [d.to_dict() for d in self.devices]}
