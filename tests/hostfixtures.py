@@ -93,6 +93,7 @@ class RecordingNodeDevices:
     def __init__(self, parents: Sequence[MdevParent] = (), log: list[str] | None = None) -> None:
         self.calls: list[tuple[str, str]] = []
         self.mdevs: dict[str, MdevInfo] = {}
+        self.autostart: set[str] = set()
         self.fail_start = False
         self.parents = {p.name: MdevParent(p.name, p.gpu, dict(p.types)) for p in parents}
         self._initial = {p.name: dict(p.types) for p in parents}
@@ -130,8 +131,9 @@ class RecordingNodeDevices:
         self.mdevs[name] = m._replace(active=True)
 
     def set_autostart(self, name: str) -> None:
-        """Record."""
+        """Record; the mdev is started again by `reboot`."""
         self._call("set_autostart", name)
+        self.autostart.add(name)
 
     def destroy(self, name: str) -> None:
         """Record and stop, giving the instance back."""
@@ -149,6 +151,17 @@ class RecordingNodeDevices:
         """Record and forget."""
         self._call("undefine", name)
         del self.mdevs[name]
+        self.autostart.discard(name)
+
+    def reboot(self) -> None:
+        """A host boot, not recorded: every mdev stops, those with autostart start again."""
+        for p in self.parents.values():
+            p.types.update(self._initial[p.name])
+        self.mdevs = {n: m._replace(active=False) for n, m in self.mdevs.items()}
+        for name in sorted(self.autostart):
+            self.start(name)
+            self.calls.pop()
+            self.log.pop()
 
     def list_mdevs(self) -> list[MdevInfo]:
         """The mdevs defined so far (not recorded: it changes nothing)."""

@@ -248,6 +248,18 @@ def validate_domain(xml: str) -> None:
         raise InvalidInput(f"rendered domain XML does not validate against libvirt's domain.rng: {message}")
 
 
+def read_hostdevs(xml: str) -> tuple[str, ...]:
+    """The host devices a domain's XML takes: mdev UUIDs and PCI addresses ("0000:41:00.4")."""
+    out: list[str] = []
+    for source in parse_xml(xml).iterfind("devices/hostdev/source/address"):
+        if source.get("uuid"):
+            out.append(source.get("uuid", "").lower())
+        elif source.get("bus") is not None:
+            nums = [int(source.get(k) or "0", 0) for k in ("domain", "bus", "slot", "function")]
+            out.append(f"{nums[0]:04x}:{nums[1]:02x}:{nums[2]:02x}.{nums[3]:x}")
+    return tuple(out)
+
+
 def read_metadata(xml: str) -> dict[str, str]:
     """The controller's metadata in domain XML: tenant, vm_id, devices (comma-separated ids), or {}."""
     vm = parse_xml(xml).find(f"metadata/{{{METADATA_NS}}}vm")

@@ -19,7 +19,7 @@ from vgpu_ctl.hosts.nodedev import (
     open_libvirt,
 )
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
-from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_metadata
+from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_hostdevs, read_metadata
 
 PLACEMENT_ATTR = "vgpu-placement-id"
 
@@ -148,13 +148,15 @@ class LibvirtHost:
             self._backend(DeviceBacking.MIG).remove(replace(spec, backing=DeviceBacking.MIG))
 
     def list_devices(self) -> list[HostDevice]:
-        """Mdevs libvirt knows, then the devices of each configured backend."""
-        found = [HostDevice(DeviceBacking.MDEV, gpu_pci=_pci_of(m.parent), uuid=m.uuid)
+        """Mdevs libvirt knows, then the devices of each configured backend; every part of a device whose mdev
+        is stopped (a MIG-backed vGPU's GPU instance too) is inactive."""
+        found = [HostDevice(DeviceBacking.MDEV, gpu_pci=_pci_of(m.parent), uuid=m.uuid, active=m.active)
                  for m in self._mdevs().list_mdevs()]
         for backend in self._backends.values():
             if backend is not None:
                 found.extend(backend.list_devices())
-        return found
+        stopped = {d.uuid for d in found if d.uuid is not None and not d.active}
+        return [replace(d, active=False) if d.uuid in stopped else d for d in found]
 
     def _lookup(self, name: str) -> Any | None:
         try:
@@ -231,7 +233,7 @@ class LibvirtHost:
                     active = bool(dom.isActive())
                 except libvirt.libvirtError:
                     continue  # undefined while we were listing
-                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml)))
+                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml), read_hostdevs(xml)))
         return out
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ class HostDevice:
     pci_address: str | None = None
     gpu_instance_id: int | None = None
     profile: str | None = None
+    active: bool = True  # False: defined but not usable now (an mdev not started, as after a reboot)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class DomainInfo:
     uuid: str
     active: bool
     metadata: dict[str, str] = field(default_factory=dict)  # vm_id, tenant, device ids ("" if foreign)
+    hostdevs: tuple[str, ...] = ()  # what its XML takes: mdev UUIDs and PCI addresses, foreign domains' too
 
 
 class HostDriver(Protocol):

@@ -143,6 +143,8 @@ class VfioSysfs:
                 if type_id is not None and type_id in names:
                     self._write(gpu, vf, "current_vgpu_type", f"{type_id}\n")
                     state["types"].update({str(i): name for name, i in seen.items()})
+                    # a device that lost this VF (a reboot) no longer has it: it must never get it back now
+                    state["devices"] = {u: d for u, d in state["devices"].items() if d["vf"] != vf}
                     state["devices"][spec.uuid] = {"vf": vf, "gpu": gpu, "type_id": type_id,
                                                    "profile": names[type_id]}
                     self._save(state)

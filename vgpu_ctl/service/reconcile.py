@@ -87,7 +87,8 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
             report.findings.append(Finding("host-unreachable", host.name, host.uri, str(exc)))
             continue
         domain_names = {d.name for d in domains}
-        used_by_domain = {dev for d in domains for dev in d.metadata.get("devices", "").split(",") if dev}
+        used_by_domain = {dev for d in domains for dev in (*d.metadata.get("devices", "").split(","), *d.hostdevs)
+                          if dev}  # the controller's device ids, and what each domain's XML takes (foreign too)
         for d in domains:
             vm_id = d.metadata.get("vm_id")
             if not vm_id:
@@ -103,11 +104,12 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
                     _try(f, partial(driver.undefine_domain, d.name))
                     used_by_domain -= set(d.metadata.get("devices", "").split(","))
                 report.findings.append(f)
-        host_uuids = {hd.uuid for hd in host_devices if hd.uuid}
+        host_uuids = {hd.uuid for hd in host_devices if hd.uuid and hd.active}
+        held = {hd.uuid for hd in host_devices if hd.uuid in used_by_domain or hd.pci_address in used_by_domain}
         for hd in host_devices:
             if hd.uuid is None or hd.uuid in store_uuids:
                 continue
-            if hd.uuid in used_by_domain:
+            if hd.uuid in held:
                 report.findings.append(Finding("orphan-device", host.name, hd.uuid,
                                                f"{hd.profile} on {hd.gpu_pci} has no claim but a defined domain "
                                                "uses it; not removed", action="none (in use)"))
@@ -120,7 +122,8 @@ def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timed
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
         for vm in (v for v in vms if v.host_id == host.id):
-            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, fix))
+            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, fix,
+                                             {d.name for d in domains if d.active}))
     if fix and report.findings:
         with ctl.tx() as conn:
             record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
@@ -137,7 +140,7 @@ def _roll_back(ctl: Controller, vm: Any) -> None:
 
 
 def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_uuids: set[str],
-              store_uuids: dict[str, str], fix: bool) -> list[Finding]:
+              store_uuids: dict[str, str], fix: bool, running: set[str] | None = None) -> list[Finding]:
     name = domain_name(vm)
     mine = {u for u, owner in store_uuids.items() if owner == vm.id}
     def finding(kind: str, detail: str, action: str, repair: Callable[[], object]) -> list[Finding]:
@@ -169,6 +172,10 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
         what.append(f"domain {name} vanished")
     if missing_devices:
         what.append(f"devices missing on host: {', '.join(missing_devices)}")
+    if name in (running or set()):  # never recreate (or undo) devices under a running guest
+        return [Finding("lost-vm", host.name, f"vm:{vm.id}", f"VM {vm.name} ({vm.state}): {'; '.join(what)}; "
+                        "its domain is running, so nothing is touched", action="none (domain running): stop "
+                        "the VM, then `vgpuctl reconcile --fix` recreates its devices")]
 
     def recreate() -> None:
         holder = new_holder()
