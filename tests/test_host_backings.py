@@ -86,6 +86,7 @@ class Fleet:
         self.kvm2_uri = write_node_file(tmp / "kvm2.xml", KVM2_DEVICES)
         parents = [p for p in map(parse_mdev_parent, (d.strip() for d in KVM1_DEVICES)) if p is not None]
         self.nodedev = RecordingNodeDevices(parents, self.log)
+        nodedevs = {"kvm1": self.nodedev, "kvm2": RecordingNodeDevices((), self.log)}  # kvm2 offers no mdevs
         self.nvml = {
             "kvm1": FakeNvml([FakeGpu(A100_80GB, "00000000:41:00.0", "GPU-a", 0, 0),
                               FakeGpu(A100_80GB, "00000000:42:00.0", "GPU-b", 0, 0),
@@ -104,7 +105,7 @@ class Fleet:
             "kvm2": LocalHostSide(tmp / "agent-kvm2", self.sysfs_root, self.nvml["kvm2"]),
         }
         factory = HostFactory(tmp / "state", sides=lambda h: AgentHostSide(h.name, InProcessTransport(
-            self.sides[h.name])), nodedevs=lambda h: self.nodedev)
+            self.sides[h.name])), nodedevs=lambda h: nodedevs[h.name])
         self.ctl = Controller(url or f"sqlite:///{tmp / 'store.db'}", state_path=tmp / "state",
                               host_factory=factory)
         self.inventory = tmp / "inventory.yaml"
@@ -240,16 +241,63 @@ def test_mdev_mixed_size_sends_the_placement_id(fleet: Fleet) -> None:
     assert not (dev.start <= dev2.start < dev.start + 20)
 
 
-def test_mig_instance(fleet: Fleet) -> None:
+def test_mig_instance_on_kvm_is_the_instance_and_the_mig_backed_type_filling_it(fleet: Fleet) -> None:
+    # a KVM guest can't take a bare GPU instance: it gets H100-3-40C (all 40 GB, one per instance) on a VF
     vm = _vm(fleet, "mig1", "3g.40gb", "mig")
     (dev,) = vm.devices
     assert dev.start in (0, 4)  # where placement put it: NVML gets exactly that placement
-    assert fleet.nvml["kvm1"].calls == [f"create_gi 00000000:43:00.0 3g.40gb@{dev.start}",
-                                        "create_ci 00000000:43:00.0 gi=1 slices=3"]
-    assert fleet.nodedev.calls == []
+    assert fleet.log == [f"nvml kvm1 create_gi 00000000:43:00.0 3g.40gb@{dev.start}",
+                         "nvml kvm1 create_ci 00000000:43:00.0 gi=1 slices=3",
+                         "nodedev define", "nodedev start"]  # no autostart: the instance does not survive a boot
+    assert fleet.nodedev.calls[0] == ("define", _mdev_xml("pci_0000_43_00_4", "nvidia-700", dev.uuid))
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"mdev\" managed=\"no\" model=\"vfio-pci\" display=\"off\">"
+        f"<source><address uuid=\"{dev.uuid}\"/></source></hostdev>"]
+    assert [f for f in fleet.ctl.reconcile().findings if f.kind != "foreign-domain"] == []
+    fleet.log.clear()
     fleet.ctl.release_vm(vm.id)
-    assert fleet.nvml["kvm1"].calls[2:] == ["destroy_ci gi=1 ci=0", "destroy_gi 00000000:43:00.0 1"]
-    assert fleet.nvml["kvm1"].gpus[2].gis == {}
+    assert fleet.log == ["nodedev destroy", "nodedev undefine", "nvml kvm1 destroy_ci gi=1 ci=0",
+                         "nvml kvm1 destroy_gi 00000000:43:00.0 1"]
+    assert fleet.nvml["kvm1"].gpus[2].gis == {} and fleet.nodedev.mdevs == {}
+
+
+def test_mig_instance_on_vendor_vfio_is_the_instance_and_the_vf_type_filling_it(fleet: Fleet) -> None:
+    vm = _vm(fleet, "mig2", "1g.18gb", "migvf")
+    (dev,) = vm.devices
+    assert fleet.nvml["kvm2"].calls == [f"create_gi 00000000:42:00.0 1g.18gb@{dev.start}",
+                                        "create_ci 00000000:42:00.0 gi=1 slices=1"]
+    fleet.sysfs["0000:42:00.0"].refresh()
+    assert fleet.vf_types() == {"0000:41:00.4": 0, "0000:41:00.5": 0, "0000:42:00.4": 1414, "0000:42:00.5": 0}
+    assert fleet.sysfs["0000:42:00.0"].file("0000:42:00.4", "gpu_instance_id").read_text() == "1\n"
+    assert _hostdevs(fleet, vm) == [
+        "<hostdev mode=\"subsystem\" type=\"pci\" managed=\"no\"><source><address domain=\"0x0000\" "
+        "bus=\"0x42\" slot=\"0x00\" function=\"0x4\"/></source></hostdev>"]
+    assert fleet.nodedev.calls == []
+    fleet.ctl.release_vm(vm.id)  # the VF's type first, then the instance (the fake refuses the other order)
+    assert fleet.vf_types()["0000:42:00.4"] == 0 and fleet.nvml["kvm2"].gpus[1].gis == {}
+
+
+def test_mig_instance_without_a_filling_type_is_refused_naming_what_to_use(fleet: Fleet, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.catalog.loader import CATALOG_PATH_ENV, DATA_DIR
+    data = yaml.safe_load((DATA_DIR / "h100-80gb.yaml").read_text())
+    data["mig"]["vgpu_types"] = [t for t in data["mig"]["vgpu_types"] if t["mig_profile"] != "3g.40gb"]
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "h100-80gb.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.setenv(CATALOG_PATH_ENV, str(tmp_path / "cat"))
+    fleet.ctl.catalog = load_catalog()
+    assert fleet.ctl.catalog.profile("H100-80GB", "H100-3-40C") is None
+    with pytest.raises(HostError) as err:
+        fleet.ctl.request_vm("acme", "mig3", [("3g.40gb", 1)], vcpus=2, memory_mib=4096, pool="mig")
+    assert ("MIG profile 3g.40gb on H100-80GB can't be given to a KVM guest: a VM takes a MIG instance only "
+            "through the MIG-backed vGPU type that fills it, and the catalog has none for 3g.40gb on H100-80GB; "
+            "ask for one of its MIG-backed vGPU types instead (H100-1-10C, ") in err.value.message
+    assert "add a MIG-backed type with mig_profile: 3g.40gb to the catalog" in err.value.message
+    assert fleet.log == [] and fleet.nvml["kvm1"].calls == []  # nothing was made on the host
+    assert fleet.ctl.get_vm("mig3").state == "failed"
 
 
 def test_mig_backed_vgpu_on_mdev_creates_the_gpu_instance_then_the_mdev_on_a_vf(fleet: Fleet) -> None:
@@ -365,23 +413,108 @@ def test_an_unreachable_declared_host_is_a_finding_not_a_failure(fleet: Fleet, t
     assert "type ids stay as recorded before" in f["fields"]["do"]
 
 
+def _driver(fleet: Fleet, host: str) -> Any:
+    from sqlalchemy import select
+
+    from vgpu_ctl.service.allocation import HOST
+    with fleet.ctl.engine.connect() as conn:
+        row = conn.execute(select(HOST).where(HOST.c.name == host)).one()
+    return fleet.ctl.hosts.get(row)
+
+
+def _active(fleet: Fleet) -> dict[str, bool]:
+    return {d.name: d.active for h in ("kvm1", "kvm2") for d in _driver(fleet, h).list_domains()}
+
+
+def _reboot(fleet: Fleet) -> None:
+    """Both hosts boot: domains are off (none autostarts), GPU instances and VF types are gone, mdevs without
+    autostart are defined but stopped."""
+    for h in ("kvm1", "kvm2"):
+        for d in _driver(fleet, h).list_domains():
+            _driver(fleet, h).stop_domain(d.name, force=True)
+    for n in fleet.nvml.values():
+        for g in n.gpus:
+            g.gis.clear()
+    for sysfs in fleet.sysfs.values():
+        for vf_addr in sysfs.vfs:
+            sysfs.file(vf_addr, "current_vgpu_type").write_text("0\n")
+        sysfs.refresh()
+    fleet.nodedev.reboot()
+    fleet.log.clear()
+
+
 def test_after_a_host_reboot_reconcile_recreates_mig_instances_and_vf_types(fleet: Fleet) -> None:
     mig = _vm(fleet, "boot1", "3g.40gb", "mig")
     vf = _vm(fleet, "boot2", "H200-35C", "vf")
-    fleet.sysfs["0000:41:00.0"].refresh()
-    # a reboot: GPU instances and VF types are gone (the domains are still defined)
-    fleet.nvml["kvm1"].gpus[2].gis.clear()
-    for vf_addr in fleet.sysfs["0000:41:00.0"].vfs:
-        fleet.sysfs["0000:41:00.0"].set_type(vf_addr, 0)
+    eq = _vm(fleet, "boot3", "A100D-10C", "eq")  # a persistent mdev: back by itself after the boot
+    _reboot(fleet)
     report = fleet.ctl.reconcile()
     lost = sorted(f.detail.split(" ")[1] for f in report.findings if f.kind == "lost-vm")
     assert lost == ["boot1", "boot2"]
     fleet.ctl.reconcile(fix=True)
     (dev,) = mig.devices
     assert [(g.profile.name, g.start) for g in fleet.nvml["kvm1"].gpus[2].gis.values()] == [("3g.40gb", dev.start)]
+    # boot1's mdev (MIG-backed: never autostarted) is started again, not defined anew; boot3's is not touched
+    assert fleet.log == [f"nvml kvm1 create_gi 00000000:43:00.0 3g.40gb@{dev.start}",
+                         "nvml kvm1 create_ci 00000000:43:00.0 gi=1 slices=3", "nodedev start"]
+    assert fleet.nodedev.calls[-1][1].startswith(f"mdev_{dev.uuid.replace('-', '_')}")
     assert fleet.vf_types()["0000:41:00.4"] == 1425
-    assert fleet.ctl.get_vm(vf.id).state == "running" and fleet.ctl.get_vm(mig.id).state == "running"
+    assert {fleet.ctl.get_vm(v.id).state for v in (mig, vf, eq)} == {"running"}
+    assert _active(fleet)[f"boot1-{mig.id[:8]}"] and _active(fleet)[f"boot2-{vf.id[:8]}"]
     assert [f for f in fleet.ctl.reconcile().findings if f.kind != "foreign-domain"] == []
+
+
+def test_reconcile_never_touches_a_device_under_a_running_domain(fleet: Fleet) -> None:
+    vf = _vm(fleet, "run1", "H200-35C", "vf")
+    mig = _vm(fleet, "run2", "3g.40gb", "mig")
+    fleet.sysfs["0000:41:00.0"].refresh()
+    # behind the controller's back, with both guests still running: run1's VF type is reset, run2's mdev stops
+    fleet.sysfs["0000:41:00.0"].set_type("0000:41:00.4", 0)
+    (mdev,) = fleet.nodedev.mdevs
+    fleet.nodedev.destroy(mdev)
+    # a foreign guest runs on an mdev the controller never made
+    foreign_uuid = "0b6d3c3e-7d8e-4c55-9a0e-3c1f1f2a6f00"
+    fleet.nodedev.start(fleet.nodedev.define(_mdev_xml("pci_0000_41_00_0", "nvidia-558", foreign_uuid)))
+    conn = _driver(fleet, "kvm1")._connection()
+    conn.defineXML("<domain type='test'><name>foreign</name><memory unit='MiB'>64</memory><os><type>hvm</type>"
+                   "</os><devices><hostdev mode='subsystem' type='mdev' model='vfio-pci'><source>"
+                   f"<address uuid='{foreign_uuid}'/></source></hostdev></devices></domain>").create()
+    xml_before = {v.id: fleet.ctl.vm_xml(v.id) for v in (vf, mig)}
+    fleet.log.clear()
+    report = fleet.ctl.reconcile(fix=True)
+    lost = {f.target: f for f in report.findings if f.kind == "lost-vm"}
+    assert set(lost) == {f"vm:{vf.id}", f"vm:{mig.id}"}
+    assert all(not f.fixed and f.action.startswith("none (domain running)") for f in lost.values())
+    orphans = [f for f in report.findings if f.kind == "orphan-device"]
+    assert len(orphans) == 1, [f.to_dict() for f in orphans]
+    orphan = orphans[0]
+    assert orphan.target == foreign_uuid and orphan.action == "none (in use)"
+    assert fleet.log == [] and fleet.nvml["kvm1"].calls[-1].startswith("create_ci")  # nothing changed on a host
+    assert fleet.vf_types()["0000:41:00.4"] == 0 and len(fleet.nvml["kvm1"].gpus[2].gis) == 1
+    assert {fleet.ctl.get_vm(v.id).state for v in (vf, mig)} == {"running"}
+    assert {v.id: fleet.ctl.vm_xml(v.id) for v in (vf, mig)} == xml_before
+    assert all(_active(fleet).values())
+    # stopped, run2 gets its mdev started again by the next reconcile
+    fleet.ctl.stop_vm(mig.id, force=True)
+    fleet.ctl.reconcile(fix=True)
+    assert fleet.log == ["nodedev start"], fleet.log
+    assert fleet.ctl.get_vm(mig.id).state == "running"
+
+
+def test_a_vf_lost_to_a_reboot_and_taken_since_is_not_given_back(fleet: Fleet) -> None:
+    old = _vm(fleet, "vfa", "H200-35C", "vf")
+    _reboot(fleet)
+    new = _vm(fleet, "vfb", "H200-35C", "vf")  # created before reconcile ran: takes the first free VF
+    fleet.sysfs["0000:41:00.0"].refresh()
+    assert fleet.vf_types()["0000:41:00.4"] == 1425
+    assert "function=\"0x4\"" in _hostdevs(fleet, new)[0]
+    fleet.ctl.reconcile(fix=True)
+    fleet.sysfs["0000:41:00.0"].refresh()
+    assert fleet.vf_types() == {"0000:41:00.4": 1425, "0000:41:00.5": 1425, "0000:42:00.4": 0, "0000:42:00.5": 0}
+    assert "function=\"0x5\"" in _hostdevs(fleet, old)[0] and "function=\"0x4\"" in _hostdevs(fleet, new)[0]
+    fleet.ctl.release_vm(old.id)
+    fleet.sysfs["0000:41:00.0"].refresh()
+    assert fleet.vf_types()["0000:41:00.4"] == 1425 and fleet.vf_types()["0000:41:00.5"] == 0
 
 
 def test_vgpuctl_vm_create_gives_each_backing_exactly_its_device(fleet: Fleet, tmp_path: Path,
@@ -412,7 +545,8 @@ def test_vgpuctl_vm_create_gives_each_backing_exactly_its_device(fleet: Fleet, t
     defined = {m.uuid: (m.parent, m.type_id) for m in fleet.nodedev.mdevs.values()}
     assert defined == {uuids["c-eq"]: ("pci_0000_41_00_0", "nvidia-558"),
                        uuids["c-mx"]: ("pci_0000_42_00_0", "nvidia-559"),
-                       uuids["c-mb"]: ("pci_0000_43_00_4", "nvidia-700")}
+                       uuids["c-mig"]: ("pci_0000_43_00_4", "nvidia-700"),  # the bare MIG: its filling type
+                       uuids["c-mb"]: ("pci_0000_43_00_5", "nvidia-700")}
     starts = {n: v["devices"][0]["start"] for n, v in created.items()}
     gis = sorted((g.profile.name, g.start) for g in fleet.nvml["kvm1"].gpus[2].gis.values())
     assert gis == sorted([("3g.40gb", starts["c-mig"]), ("3g.40gb", starts["c-mb"])])

@@ -47,13 +47,33 @@ def _load(ctl: Controller, conn: Connection, vm_id: str) -> tuple[Any, Any, list
     return vm, host, list(devs)
 
 
+def kvm_mig_type(catalog: Any, model: str, mig_profile: str) -> Any | None:
+    """The MIG-backed vGPU type that fills a GPU instance of `mig_profile` on `model` (one vGPU per instance,
+    the instance's whole framebuffer; a C-series type first), or None when the catalog has none. A KVM guest
+    gets a bare MIG instance only through such a type."""
+    fitting = [p for p in catalog.profiles(model)
+               if p.kind is ProfileKind.MIG_VGPU and p.mig_profile == mig_profile]
+    fitting.sort(key=lambda p: (not p.name.endswith("C"), -p.framebuffer_mib, p.name))
+    return fitting[0] if fitting else None
+
+
+def _host_of_gpu(conn: Connection, gpu_id: int) -> Any:
+    return conn.execute(select(alloc.HOST.c.name, alloc.HOST.c.driver, alloc.HOST.c.vgpu_backing)
+                        .join(alloc.GPU, alloc.GPU.c.host_id == alloc.HOST.c.id)
+                        .where(alloc.GPU.c.id == gpu_id)).one()
+
+
 def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
     """What the host needs to create a claimed device, with the ids the host's discovery recorded for its GPU
-    (mdev type, vendor-VFIO type, MIG profile; the catalog's MIG profile id where none was recorded)."""
+    (mdev type, vendor-VFIO type, MIG profile; the catalog's MIG profile id where none was recorded). On a
+    libvirt host a bare MIG instance is the instance plus the MIG-backed vGPU type filling it (`kvm_mig_type`),
+    on an mdev or on a VF as the host's vGPU backing says; without such a type it stays a bare MIG spec, which
+    `_provision` refuses to create there."""
     from vgpu_ctl.service.host_types import stored_ids
 
     with ctl.engine.connect() as conn:
         ids = stored_ids(conn, dev.gpu_id)
+        host = _host_of_gpu(conn, dev.gpu_id)
     profile = ctl.catalog.profile(dev.model, dev.profile)
     kind = profile.kind if profile is not None else None
     mig_id = None
@@ -61,13 +81,33 @@ def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
         gi_name = profile.name if kind is ProfileKind.MIG else profile.mig_profile
         found = ids["mig"].get(gi_name or "")
         mig_id = int(found) if found is not None else profile.profile_id
+    backing, type_name = DeviceBacking(dev.backing), dev.profile
+    if kind is ProfileKind.MIG and host.driver != "simulated":
+        vgpu = kvm_mig_type(ctl.catalog, dev.model, dev.profile)
+        if vgpu is not None:
+            backing = DeviceBacking.VFIO_VF if host.vgpu_backing == "vfio" else DeviceBacking.MDEV
+            type_name = vgpu.name
     mixed = profile is not None and kind is ProfileKind.VGPU and dev.start in (profile.mixed_placement_ids or ()) \
         and dev.gpu_mode == "vgpu-mixed"
-    vfio = ids["vfio"].get(dev.profile)
-    return DeviceSpec(device_id=dev.id, gpu_pci=dev.pci_address, backing=DeviceBacking(dev.backing),
-                      profile=dev.profile, start=dev.start, size=dev.size, uuid=dev.uuid,
-                      mdev_type=ids["mdev"].get(dev.profile), vfio_type_id=int(vfio) if vfio is not None else None,
+    vfio = ids["vfio"].get(type_name)
+    return DeviceSpec(device_id=dev.id, gpu_pci=dev.pci_address, backing=backing,
+                      profile=type_name, start=dev.start, size=dev.size, uuid=dev.uuid,
+                      mdev_type=ids["mdev"].get(type_name), vfio_type_id=int(vfio) if vfio is not None else None,
                       mig_profile_id=mig_id, placement_id=dev.start if mixed else None)
+
+
+def _refuse_bare_mig(ctl: Controller, dev: Any, host: Any) -> HostError:
+    """Why a bare MIG instance can't go to a KVM guest on `host`: the catalog has no MIG-backed vGPU type for
+    its GPU instance; with what to ask for instead."""
+    others = sorted(p.name for p in ctl.catalog.profiles(dev.model) if p.kind is ProfileKind.MIG_VGPU)
+    instead = (f"ask for one of its MIG-backed vGPU types instead ({', '.join(others)})" if others else
+               "ask for whole-GPU passthrough or a time-sliced vGPU instead")
+    return HostError(f"host {host.name}: MIG profile {dev.profile} on {dev.model} can't be given to a KVM "
+                     "guest: a VM takes a MIG instance only through the MIG-backed vGPU type that fills it, "
+                     f"and the catalog has none for {dev.profile} on {dev.model}; {instead}, or add a "
+                     f"MIG-backed type with mig_profile: {dev.profile} to the catalog",
+                     reasons=[{"host": host.name, "profile": dev.profile, "model": dev.model,
+                               "instead": others}])
 
 
 def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
@@ -107,7 +147,10 @@ def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
         for dev in devs:
             if dev.state == "ready":
                 continue
-            handle = driver.create_device(device_spec(ctl, dev))
+            spec = device_spec(ctl, dev)
+            if spec.backing is DeviceBacking.MIG and host.driver != "simulated":
+                raise _refuse_bare_mig(ctl, dev, host)
+            handle = driver.create_device(spec)
             with ctl.tx() as conn:
                 conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id)
                              .values(state="ready", handle=_handle_json(handle)))
@@ -263,9 +306,9 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
     for d in devs:
         handle = d.handle if isinstance(d.handle, dict) else {}
         pci = handle.get("pci_address") or (d.pci_address if d.backing == "pci" else None)
-        backing = DeviceBacking(d.backing)
+        backing = DeviceBacking(handle.get("backing") or d.backing)  # a bare MIG: the vGPU type filling it
         if backing is DeviceBacking.MIG:
-            backing = DeviceBacking.MDEV  # a VM gets a MIG slice through the vGPU on that GPU instance
+            backing = DeviceBacking.MDEV  # simulated host: the MIG slice stands for the vGPU on it
         hostdevs.append(HostdevContext(device_id=d.id, profile=d.profile, backing=backing,
                                        uuid=handle.get("uuid") or d.uuid,
                                        pci=PciAddress.parse(pci) if pci and backing is not DeviceBacking.MDEV
