@@ -503,3 +503,10 @@ def test_readme_python_snippet_runs_on_a_fresh_store(state_dir: Path, tmp_path: 
     assert done.returncode == 0, done.stderr
     assert "kvm-" in done.stdout
     assert (tmp_path / "fresh" / "vgpu-ctl.db").exists()
+
+
+def test_console_script_and_postgres_extra() -> None:
+    import tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["vgpuctl"] == "vgpu_ctl.cli.main:entry"  # the closed-pipe handling runs there
+    assert any(d.startswith("psycopg") for d in project["optional-dependencies"]["postgres"])
