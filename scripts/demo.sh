@@ -8,7 +8,17 @@ export VGPU_CTL_STATE_DIR="${VGPU_CTL_STATE_DIR:-$PWD/var/demo}"
 unset VGPU_CTL_DATABASE_URL
 rm -rf "$VGPU_CTL_STATE_DIR"
 v() { echo "+ vgpuctl $*"; .venv/bin/vgpuctl "$@"; }
+# The base disk image every domain's overlay stands on (the domain XML points at it; a libvirt host makes each
+# VM's overlay from it). Simulated hosts run no guests, so an empty 1 GiB image is enough.
+mkdir -p "$VGPU_CTL_STATE_DIR/images"
+if command -v qemu-img >/dev/null; then
+  qemu-img create -q -f qcow2 "$VGPU_CTL_STATE_DIR/images/base.qcow2" 1G
+else
+  echo "qemu-img not found (apt-get install qemu-utils): the demo's domains name $VGPU_CTL_STATE_DIR/images/base.qcow2," \
+       "which is not created" >&2
+fi
 
+v --version
 v init
 v inventory apply inventory/demo.yaml
 v inventory apply inventory/demo.yaml            # applying again changes nothing
@@ -31,7 +41,9 @@ v vm create --tenant globex --name infer-4 --profile H100-1-10C --count 2 --vcpu
   --pool inference || true
 v vm list
 v tenant usage acme
-if .venv/bin/vgpuctl status --help >/dev/null 2>&1; then v status; fi
+v status
+v host cordon kvm-l40s-01                        # no new VMs there; its VMs stay
+v host uncordon kvm-l40s-01
 v vm xml acme/train-a | head -n 40
 v vm delete acme/train-b
 echo "demo store: $VGPU_CTL_STATE_DIR/vgpu-ctl.db"
