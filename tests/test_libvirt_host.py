@@ -311,3 +311,45 @@ def test_passthrough_needs_nothing_on_the_host() -> None:
     assert h.create_device(spec) == DeviceHandle(DeviceBacking.PCI, pci_address="0000:41:00.0")
     h.remove_device(spec)
     assert api.calls == []
+
+
+def test_domains_say_which_host_devices_their_xml_takes(host: LibvirtHost) -> None:
+    from hostfixtures import pci_hostdev, vf_hostdev
+
+    xml = TemplateRenderer().render_domain("domain.xml.j2", domain_context([mdev_hostdev(), vf_hostdev(),
+                                                                            pci_hostdev()]))
+    host.define_domain(xml)
+    taken = {d.name: d.hostdevs for d in host.list_domains()}
+    assert taken == {"legacy": (), "vm-1": (MDEV_UUID, "0000:41:00.4", "0000:42:00.0")}
+
+
+def test_a_stopped_mdev_makes_every_part_of_its_device_inactive() -> None:
+    api = RecordingNodeDevices()
+    mig = _FakeMig()
+    h = LibvirtHost("kvm-test", "test:///default", nodedev=api, mig=mig)
+    h.create_device(_spec(mig_profile_id=9))
+    other = h.create_device(_spec(uuid=MDEV_UUID, mig_profile_id=9))
+    assert other.gpu_instance_id == 2
+    (name,) = [n for n, m in api.mdevs.items() if m.uuid == NEW_UUID]
+    api.destroy(name)
+    state = {(d.backing, d.uuid): d.active for d in h.list_devices()}
+    assert state == {(DeviceBacking.MDEV, NEW_UUID): False, (DeviceBacking.MIG, NEW_UUID): False,
+                     (DeviceBacking.MDEV, MDEV_UUID): True, (DeviceBacking.MIG, MDEV_UUID): True}
+
+
+class _FakeMig:
+    """A MIG backend keeping one GPU instance per device uuid."""
+
+    def __init__(self) -> None:
+        self.gis: dict[str, int] = {}
+
+    def create(self, spec: DeviceSpec) -> DeviceHandle:
+        gi = self.gis.setdefault(spec.uuid, len(self.gis) + 1)
+        return DeviceHandle(DeviceBacking.MIG, gpu_instance_id=gi)
+
+    def remove(self, spec: DeviceSpec) -> None:
+        self.gis.pop(spec.uuid, None)
+
+    def list_devices(self) -> list[HostDevice]:
+        return [HostDevice(DeviceBacking.MIG, "0000:41:00.0", uuid=u, gpu_instance_id=gi)
+                for u, gi in self.gis.items()]
