@@ -55,7 +55,7 @@ def _act(url: str, state: str, what: str, ref: str, start_at: float) -> str:
             return "deleted"
         vm = c.request_vm("acme", "target", [("A100D-10C", 1)], vcpus=2, memory_mib=2048, pool="inference",
                           idempotency_key="target-key")
-        return f"create:{vm.state}"
+        return f"create:{vm.state}:{vm.id}"
     except VgpuCtlError as exc:
         return f"{type(exc).__name__}"
     except Exception as exc:
@@ -130,7 +130,8 @@ def _delete_and_recreate(url: str, state: Path, delay: float) -> None:
     assert results[0] == "deleted", results
     # the create answers with the VM being deleted, or (once it is gone) makes a new one; never a VM it
     # started again while it was being torn down
-    assert results[1] in ("create:releasing", "create:running", "NotFound"), results
+    made, _, made_id = results[1].rpartition(":")
+    assert made in ("create:releasing", "create:running") or results[1] == "NotFound", results
     _check(url, state, results)
     from vgpu_ctl import Controller
     c = Controller(url, state_path=state, init=False)
@@ -138,9 +139,9 @@ def _delete_and_recreate(url: str, state: Path, delay: float) -> None:
         vms = {v.name: v for v in c.list_vms("acme")}
     finally:
         c.close()
-    if results[1] == "create:running":
-        assert vms["target"].id != vm_id and vms["target"].state == "running"
-    else:
+    if made == "create:running" and made_id != vm_id:  # made anew once the old one was gone
+        assert vms["target"].id == made_id and vms["target"].state == "running"
+    else:  # the VM being deleted (or, when the create came first, the VM before its delete)
         assert "target" not in vms
 
 
