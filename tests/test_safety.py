@@ -398,3 +398,30 @@ def test_hostile_inventory_yaml_is_an_input_error(tmp_path: Path, data: bytes, w
     with pytest.raises(InventoryError, match=re.escape(what)) as err:
         parse_inventory(path, load_catalog())
     assert err.value.exit_code == 2
+
+
+def test_a_lease_is_renewed_while_its_holder_works(acme: Controller) -> None:
+    import time
+
+    from sqlalchemy import select, update
+
+    from vgpu_ctl.service.leases import Renewal, expiry, is_held, new_holder
+    from vgpu_ctl.service.quotas import VM
+    vm = req(acme, "job1", provision=False)
+    holder = new_holder()
+    with acme.tx() as conn:
+        conn.execute(update(VM).where(VM.c.id == vm.id).values(lease_holder=holder, lease_expires=expiry(0.3)))
+
+    def lease() -> Any:
+        with acme.engine.connect() as conn:
+            return conn.execute(select(VM.c.lease_holder, VM.c.lease_expires).where(VM.c.id == vm.id)).one()
+
+    with Renewal(acme, vm.id, holder, seconds=0.3):
+        time.sleep(0.8)  # well past the first expiry
+        assert is_held(*lease())
+        report = acme.reconcile(fix=True)
+        assert next(f for f in report.findings if f.target == f"vm:{vm.id}").kind == "in-progress"
+    time.sleep(0.5)  # the holder stopped renewing: the lease runs out and the VM is finished at once
+    assert not is_held(*lease())
+    assert acme.reconcile(fix=True).clean
+    assert acme.get_vm(vm.id).state == "failed"

@@ -109,10 +109,12 @@ def drop(conn: Connection, vm_id: str, holder: str) -> None:
 
 
 class Renewal:
-    """While open, renews `holder`'s lease on the VM every third of its time (on a background thread)."""
+    """While open, renews `holder`'s lease on the VM to `seconds` from now, every third of that (on a
+    background thread)."""
 
-    def __init__(self, ctl: Controller, vm_id: str, holder: str, every: float = LEASE_SECONDS / 3) -> None:
-        self._ctl, self._vm_id, self._holder, self._every = ctl, vm_id, holder, every
+    def __init__(self, ctl: Controller, vm_id: str, holder: str, seconds: float = LEASE_SECONDS) -> None:
+        self._ctl, self._vm_id, self._holder = ctl, vm_id, holder
+        self._seconds, self._every = seconds, seconds / 3
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{vm_id[:8]}", daemon=True)
 
@@ -121,7 +123,7 @@ class Renewal:
             try:
                 with self._ctl.tx() as conn:
                     res = conn.execute(update(VM).where(VM.c.id == self._vm_id, VM.c.lease_holder == self._holder)
-                                       .values(lease_expires=expiry()))
+                                       .values(lease_expires=expiry(self._seconds)))
                 if res.rowcount != 1:
                     return  # the lease ended (or the VM is gone): nothing more to renew
             except Exception:  # a busy store: try again at the next tick, while the lease still runs
