@@ -231,9 +231,11 @@ def _scarcity(kinds: tuple[_Kind, ...], supply: Supply, geometry: Geometry) -> f
 
 def _host_cost(mix: Mix | None, supply: Supply = ()) -> HostCostFn:
     """The change in a host's expected fragmentation (FGD) against the mix: for each typical task, weighted, the
-    host's free GPU share it could not use: all of it if the host cannot take the task (vCPUs, memory, fewer GPUs
-    with room than it asks for), else the share stranded on GPUs with no room for it. One-GPU tasks add up per GPU;
-    multi-GPU tasks are counted over the host's totals."""
+    host's free GPU share it could not use: none if the host could never run the task (its GPUs' model does not
+    offer it, the host has fewer GPUs than it asks for), all of it if the host cannot take it now (vCPUs, memory,
+    fewer GPUs with room than it asks for), else the share stranded on GPUs with no room for it. One-GPU tasks add
+    up per GPU; multi-GPU tasks are counted over the host's totals. With a supply, plus the room the placement takes,
+    priced per model by `_scarcity`."""
 
     fixed = _kinds(mix) if mix else None
     known: dict[Geometry, float] = {}  # the scarcity price per geometry, for the fixed kinds
