@@ -171,6 +171,24 @@ def test_store_that_cannot_be_opened(state_dir: Path, tmp_path: Path) -> None:
     assert out.exit_code == 2 and "can't open the store" in out.stderr and "Traceback" not in out.output
 
 
+@pytest.mark.parametrize("url", ["foo.db", "mysql://root:secret@db/vgpu", "sqlite://"])
+def test_python_api_names_a_bad_store_url(state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          url: str) -> None:
+    from vgpu_ctl import Controller, InvalidInput
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInput) as err:
+        Controller(url)
+    assert "postgresql://USER" in str(err.value) and "secret" not in str(err.value)
+    assert err.value.reasons[0]["field"] == "db"
+    assert list(tmp_path.iterdir()) == [state_dir] and list(state_dir.iterdir()) == []
+
+
+def test_python_api_store_that_cannot_be_opened(state_dir: Path, tmp_path: Path) -> None:
+    from vgpu_ctl import Controller, InvalidInput
+    with pytest.raises(InvalidInput, match="can't open the store"):
+        Controller(f"sqlite:///{tmp_path}/no/such/../../x/dir/{'a' * 300}/s.db")
+
+
 def test_postgres_without_the_driver_names_the_extra(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as in a plain install
     out = Cli("postgresql://vgpu:pw@localhost/vgpu")("vm", "list")

@@ -128,11 +128,11 @@ def test_killed_process_at_each_step_is_repaired_by_reconcile(fault_store: tuple
     proc.join(60)
     assert proc.exitcode == 17
     ctl = _controller(url, state)
-    before = ctl.reconcile(fix=False, stuck_after_seconds=0)
+    before = ctl.reconcile(fix=False)
     assert not before.clean and before.findings
-    report = ctl.reconcile(fix=True, stuck_after_seconds=0)
+    report = ctl.reconcile(fix=True)
     assert report.clean, report.to_dict()
-    assert ctl.reconcile(fix=False, stuck_after_seconds=0).clean
+    assert ctl.reconcile(fix=False).clean
     assert_consistent(ctl)
     states = {v.name: v.state for v in ctl.list_vms()}
     assert states["keep"] == "running"
@@ -146,7 +146,7 @@ def test_reconcile_keeps_a_device_a_domain_uses(fault_store: tuple[str, Path]) -
     vm = ctl.get_vm("acme/keep")
     with ctl.tx() as conn:  # the store loses the claim, the host keeps device and domain
         conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
-    report = ctl.reconcile(fix=True, stuck_after_seconds=0)
+    report = ctl.reconcile(fix=True)
     kinds = {f.kind: f for f in report.findings}
     assert kinds["orphan-device"].action == "none (in use)" and not kinds["orphan-device"].fixed
     assert vm.devices[0].uuid in {d.uuid for h in ["kvm-a100-01"] for d in
@@ -160,7 +160,7 @@ def test_reconcile_removes_an_orphan_device_and_a_leaked_domain(fault_store: tup
     with ctl.tx() as conn:  # a VM the store forgot entirely (e.g. restored from an old backup)
         conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
         conn.execute(VM.delete().where(VM.c.id == vm.id))
-    report = ctl.reconcile(fix=True, stuck_after_seconds=0, confirm_undefine=lambda f: True)  # it runs: asked
+    report = ctl.reconcile(fix=True, confirm_undefine=lambda f: True)  # it runs: asked
     assert {f.kind for f in report.findings} >= {"unknown-domain", "orphan-device"}
     assert report.clean
     assert SimulatedHost("kvm-a100-01", state / "hosts").list_devices() == []

@@ -334,7 +334,6 @@ def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is 
                                            "undefining a running domain the store does not know)."),
                   yes: bool = typer.Option(False, "--yes", "-y", help="With --fix: undefine such running domains "
                                            "without asking."),
-                  stuck_after: float = typer.Option(300, help="Seconds after which an unfinished step is stuck."),
                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Compare store and hosts: orphan devices, unknown domains, lost VMs, stuck claims; repair with --fix."""
     fmt = out_format(as_json, output)
@@ -354,8 +353,7 @@ def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is 
 
     with progress(disable=machine(fmt)) as bar:
         task = bar.add_task("reconciling hosts", total=None)
-        report = run(fmt, lambda c: c.reconcile(fix=fix, stuck_after_seconds=stuck_after,
-                                                progress=lambda h: bar.update(task, description=h),
+        report = run(fmt, lambda c: c.reconcile(fix=fix, progress=lambda h: bar.update(task, description=h),
                                                 confirm_undefine=ask))
     if machine(fmt):
         emit(fmt, report.to_dict())

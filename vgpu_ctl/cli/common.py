@@ -99,68 +99,8 @@ def open_controller(init: bool = True) -> Any:
     """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN); InvalidInput
     naming the URL and the accepted forms when the store URL is wrong or its store can't be opened."""
     from vgpu_ctl.service.controller import TOKEN_ENV, Controller
-    url = check_store_url(STATE.db)
-    try:
-        token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
-        return Controller(url, token=token, actor=STATE.actor, init=init)
-    except VgpuCtlError:
-        raise
-    except Exception as exc:
-        from sqlalchemy.exc import SQLAlchemyError
-        if not isinstance(exc, SQLAlchemyError | OSError | ImportError):
-            raise
-        raise store_error(url, exc) from None
-
-
-URL_FORMS = ("sqlite:///RELATIVE/PATH.db, sqlite:////ABSOLUTE/PATH.db, "
-             "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE")
-
-
-def _shown(url: str) -> str:
-    """The URL with any password masked."""
-    from sqlalchemy.engine import make_url
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
-
-
-def check_store_url(url: str | None) -> str | None:
-    """`url` if it is a store URL vgpu-ctl can use (None: the default store); InvalidInput naming it and the
-    accepted forms if not, or saying which extra to install when its driver is missing."""
-    if url is None:
-        return None
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        parsed = None
-    if parsed is None or parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        hint = f" (for a SQLite file: sqlite:///{url})" if "://" not in url else ""
-        raise InvalidInput(f"--db {_shown(url)!r} is not a store URL vgpu-ctl can use{hint}; accepted: {URL_FORMS}",
-                           reasons=[{"field": "db", "value": _shown(url), "accepted": URL_FORMS}])
-    if parsed.get_backend_name() == "sqlite" and not parsed.database:
-        raise InvalidInput(f"--db {url!r} names no SQLite file; accepted: {URL_FORMS}",
-                           reasons=[{"field": "db", "value": url, "accepted": URL_FORMS}])
-    if parsed.get_backend_name() == "postgresql":
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            raise InvalidInput(f"--db {_shown(url)}: a PostgreSQL store needs the psycopg driver, which is not "
-                               "installed; install it with: pip install 'vgpu-ctl[postgres]'",
-                               reasons=[{"field": "db", "value": _shown(url), "missing": "psycopg"}]) from None
-    return url
-
-
-def store_error(url: str | None, exc: BaseException) -> InvalidInput:
-    """The error for a store that can't be opened: the URL (password masked), the driver's first line."""
-    from vgpu_ctl.store.engine import default_url
-    shown = _shown(url or default_url())
-    orig = getattr(exc, "orig", None) or exc
-    detail = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-    return InvalidInput(f"--db {shown}: can't open the store: {detail} (accepted forms: {URL_FORMS})",
-                        reasons=[{"field": "db", "value": shown, "error": detail}])
+    token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
+    return Controller(STATE.db, token=token, actor=STATE.actor, init=init)
 
 
 def _reason_lines(exc: VgpuCtlError) -> list[str]:

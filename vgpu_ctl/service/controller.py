@@ -18,7 +18,7 @@ from typing import Any, Literal, overload
 
 from sqlalchemy import Integer, String, bindparam, cast, select
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from vgpu_ctl.catalog import Catalog, ProfileInfo, load_catalog
 from vgpu_ctl.core.placement import (
@@ -59,8 +59,9 @@ from vgpu_ctl.service.requests import (
 )
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
-from vgpu_ctl.store.engine import make_engine, state_dir
+from vgpu_ctl.store.engine import default_url, make_engine, state_dir
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.urls import check_store_url, store_error
 from vgpu_ctl.store.writer_queue import WriterQueue
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
@@ -130,17 +131,20 @@ class Controller:
     def __init__(self, url: str | None = None, *, engine: Engine | None = None, catalog: Catalog | None = None,
                  token: str | None = None, actor: str | None = None, host_factory: Any = None,
                  state_path: Path | None = None, init: bool = True) -> None:
-        self.engine = engine or make_engine(url)
-        self._checkpointer = WalCheckpointer.for_engine(self.engine)
-        if self._checkpointer is not None:  # a controller dropped without close() does not leave its thread behind
-            weakref.finalize(self, self._checkpointer.stop_soon)
-        self._writers = WriterQueue.for_engine(self.engine)
-        self.catalog = catalog or load_catalog()
-        self.state_path = state_path or state_dir()
-        if init and token is None:  # a tenant opens the store as it is; the admin upgrades it
-            self._upgrade(refresh_fit_masks=False)
-        elif init:
-            migrate.require_head(self.engine)
+        try:
+            self.engine = engine or make_engine(check_store_url(url))
+            self._checkpointer = WalCheckpointer.for_engine(self.engine)
+            if self._checkpointer is not None:  # a controller dropped without close() leaves no thread behind
+                weakref.finalize(self, self._checkpointer.stop_soon)
+            self._writers = WriterQueue.for_engine(self.engine)
+            self.catalog = catalog or load_catalog()
+            self.state_path = state_path or state_dir()
+            if init and token is None:  # a tenant opens the store as it is; the admin upgrades it
+                self._upgrade(refresh_fit_masks=False)
+            elif init:
+                migrate.require_head(self.engine)
+        except (SQLAlchemyError, OSError) as exc:
+            raise store_error(url or default_url(), exc) from None
         from vgpu_ctl.service.hosts import HostFactory, simulated_state_dir
         self.hosts = host_factory or HostFactory(  # simulated hosts live with their store
             self.state_path, simulated_dir=simulated_state_dir(self.engine.url, self.state_path))
@@ -848,16 +852,14 @@ class Controller:
         return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
 
-    def reconcile(self, fix: bool = False, stuck_after_seconds: float = 300, progress: Any = None,
+    def reconcile(self, fix: bool = False, progress: Any = None,
                   confirm_undefine: Callable[[Any], bool] | None = None) -> Any:
-        """Compare store and hosts (orphan devices, unknown domains, lost VMs, stuck claims); repair with fix (a
-        running domain of a VM the store does not know only when `confirm_undefine(finding)` says yes)."""
+        """Compare store and hosts (orphan devices, unknown domains, lost VMs, interrupted requests: those no
+        process holds a lease on); repair with fix (a running domain of a VM the store does not know only when
+        `confirm_undefine(finding)` says yes)."""
         self._admin("reconcile")
-        from datetime import timedelta
-
         from vgpu_ctl.service.reconcile import reconcile
-        return reconcile(self, fix=fix, stuck_after=timedelta(seconds=stuck_after_seconds), progress=progress,
-                         confirm_undefine=confirm_undefine)
+        return reconcile(self, fix=fix, progress=progress, confirm_undefine=confirm_undefine)
 
 
 __all__ = ["BASE_RESOURCES", "Controller", "Principal"]

@@ -2,14 +2,13 @@
 
 It never removes a device that a defined domain uses, and never touches a domain it did not write. A VM in
 the middle of an operation is reported in progress while a live process holds its lease, and finished (or
-rolled back) at once when none does; `stuck_after` is not used (the lease decides, not the clock).
+rolled back) at once when none does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -63,8 +62,8 @@ class ReconcileReport:
         return {"hosts": self.hosts, "clean": self.clean, "findings": [f.to_dict() for f in self.findings]}
 
 
-def reconcile(ctl: Controller, fix: bool = False, stuck_after: timedelta = timedelta(minutes=5),
-              progress: Any = None, confirm_undefine: Callable[[Finding], bool] | None = None) -> ReconcileReport:
+def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
+              confirm_undefine: Callable[[Finding], bool] | None = None) -> ReconcileReport:
     """Compare every host with the store; with `fix`, repair what is safe to repair. A running domain of a VM
     the store does not know is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
     report = ReconcileReport()

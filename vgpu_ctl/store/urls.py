@@ -1,0 +1,54 @@
+"""Store URLs: which ones vgpu-ctl accepts, and the errors that name a wrong one or a store that can't be
+opened (the URL with its password masked, the accepted forms), for the CLI and the Python API alike."""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from vgpu_ctl.errors import InvalidInput
+
+URL_FORMS = ("sqlite:///RELATIVE/PATH.db, sqlite:////ABSOLUTE/PATH.db, "
+             "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE")
+
+
+def shown(url: str) -> str:
+    """The URL with any password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def check_store_url(url: str | None) -> str | None:
+    """`url` if it is a store URL vgpu-ctl can use (None: the default store); InvalidInput naming it and the
+    accepted forms if not, or saying which extra to install when its driver is missing."""
+    if url is None:
+        return None
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None
+    if parsed is None or parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        hint = f" (for a SQLite file: sqlite:///{url})" if "://" not in url else ""
+        raise InvalidInput(f"--db {shown(url)!r} is not a store URL vgpu-ctl can use{hint}; accepted: {URL_FORMS}",
+                           reasons=[{"field": "db", "value": shown(url), "accepted": URL_FORMS}])
+    if parsed.get_backend_name() == "sqlite" and not parsed.database:
+        raise InvalidInput(f"--db {url!r} names no SQLite file; accepted: {URL_FORMS}",
+                           reasons=[{"field": "db", "value": url, "accepted": URL_FORMS}])
+    if parsed.get_backend_name() == "postgresql":
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise InvalidInput(f"--db {shown(url)}: a PostgreSQL store needs the psycopg driver, which is not "
+                               "installed; install it with: pip install 'vgpu-ctl[postgres]'",
+                               reasons=[{"field": "db", "value": shown(url), "missing": "psycopg"}]) from None
+    return url
+
+
+def store_error(url: str, exc: BaseException) -> InvalidInput:
+    """The error for a store that can't be opened: the URL (password masked), the driver's first line."""
+    orig = getattr(exc, "orig", None) or exc
+    detail = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    return InvalidInput(f"--db {shown(url)}: can't open the store: {detail} (accepted forms: {URL_FORMS})",
+                        reasons=[{"field": "db", "value": shown(url), "error": detail}])
