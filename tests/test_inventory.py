@@ -13,7 +13,7 @@ import pytest
 from conftest import DEMO, store_snapshot, write_inventory
 from typer.testing import CliRunner
 
-from vgpu_ctl import Conflict, Controller, InventoryError
+from vgpu_ctl import Conflict, Controller, InvalidInput, InventoryError
 from vgpu_ctl.cli.main import app
 
 SMALL = """\
@@ -347,3 +347,16 @@ def test_pack_keeps_a_pair_of_gpus_for_a_demand_of_pairs(store_url: str, state_d
             assert pair.host == "h1"
     finally:
         c.close()
+
+
+def test_pool_template_missing_is_refused_at_apply(ctl: Controller, tmp_path: Path) -> None:
+    """A pool naming a template that is not in the template folders is refused when the inventory is applied
+    (not at its first VM's provisioning), and nothing changes."""
+    edited = _demo_edit(tmp_path, "    policy: pack\n    description: \"Small slices",
+                        "    policy: pack\n    template: nosuch.xml.j2\n    description: \"Small slices")
+    before = store_snapshot(ctl)
+    with pytest.raises(InvalidInput) as err:
+        ctl.apply_inventory(edited)
+    assert "pool 'inference'" in err.value.message and "nosuch.xml.j2" in err.value.message
+    assert err.value.reasons == [{"field": "pools.inference.template", "value": "nosuch.xml.j2"}]
+    assert store_snapshot(ctl) == before

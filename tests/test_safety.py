@@ -233,6 +233,18 @@ def test_inventory_apply_with_a_command_uri_changes_nothing(state_dir: Path, sql
     c.close()
 
 
+def test_a_stored_uri_from_before_the_check_is_not_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store written before URIs were checked may hold a command URI: opening that host is a HostError and
+    libvirt is never asked to open it."""
+    from vgpu_ctl.errors import HostError
+    from vgpu_ctl.hosts import nodedev
+    opened: list[str] = []
+    monkeypatch.setattr(nodedev.libvirt, "open", lambda uri: opened.append(uri))
+    with pytest.raises(HostError, match="host kvm1: not opened") as err:
+        nodedev.open_libvirt(BAD_URIS[0], "kvm1")
+    assert err.value.reasons[0]["field"] == "uri" and opened == []
+
+
 # -- 6: names with a trailing newline ----------------------------------------------------------------------
 
 

@@ -9,8 +9,9 @@ from typing import Any, NamedTuple, Protocol
 import libvirt
 from lxml import etree
 
-from vgpu_ctl.errors import HostError
+from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.protocol import DeviceHandle, DeviceSpec, HostDevice
+from vgpu_ctl.inventory import check_uri
 
 
 class MdevInfo(NamedTuple):
@@ -100,7 +101,12 @@ def _quiet(_ctx: object, _err: object) -> None:
 
 
 def open_libvirt(uri: str, host: str) -> Any:
-    """A libvirt connection to `uri`; HostError naming the host when it cannot be opened."""
+    """A libvirt connection to `uri`; HostError naming the host when it cannot be opened, or when the URI is
+    not one a controller may open (a store written before URIs were checked may hold such a one)."""
+    try:
+        check_uri("uri", uri)
+    except InvalidInput as exc:
+        raise HostError(f"host {host}: not opened: {exc.message}", reasons=exc.reasons) from None
     libvirt.registerErrorHandler(_quiet, None)
     with libvirt_errors(host, f"connecting to {uri}"):
         return libvirt.open(uri)

@@ -253,6 +253,14 @@ class Controller:
         out); the changes (none made with dry_run). With `expected_removals` (the (kind, name) pairs a preview
         showed), Conflict and nothing changed if the apply would remove anything else."""
         self._admin("inventory apply")
+        for pool in inv.pools:  # a pool's template is checked now, not at its first VM's provisioning
+            if pool.template is not None:
+                try:
+                    self.hosts.renderer.check_template(pool.template)
+                except InvalidInput as exc:
+                    raise InvalidInput(f"pool {pool.name!r}: {exc.message}",
+                                       reasons=[{"field": f"pools.{pool.name}.template", "value": pool.template}]
+                                       ) from None
         from vgpu_ctl.service.host_types import discover_hosts, record_all
         found = discover_hosts(self, inv.hosts)  # libvirt hosts: what each calls each profile (no lock held)
         with self.write_turn(), self.engine.connect() as conn:
