@@ -223,7 +223,7 @@ def test_store_replay_places_through_the_controller(trace_dir: Path, tmp_path: P
         vms = store.ctl.list_vms()
         assert len(vms) == 1 and vms[0].pool == "gpu-h100-80gb" and len(vms[0].devices) == 2
         assert store.place(bench.Task("t4", 1000, 1024, 1, 300, frozenset({"T4"}))) == 0.5  # T4-8C
-        assert store.place(bench.Task("big", 10**7, 1024, 1, 300)) is None  # no host has the vCPUs
+        assert store.place(bench.Task("big", 10**6, 1024, 1, 300)) is None  # no host has the vCPUs
         assert len(store.ctl.list_vms()) == 2
     assert bench.os.environ["VGPU_CTL_STATE_DIR"] == str(tmp_path / "outer")
 
