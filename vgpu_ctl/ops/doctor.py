@@ -12,17 +12,17 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, fit_mask, geometry_for
+from vgpu_ctl.core.vm_state import HOLDS_CLAIM, IN_FLIGHT, VmState
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
-from vgpu_ctl.service.quotas import HOLDING, VM, allocated
+from vgpu_ctl.service.quotas import VM, allocated
 from vgpu_ctl.service.requests import BASE_RESOURCES
 
 if TYPE_CHECKING:
     from vgpu_ctl.catalog import Catalog
     from vgpu_ctl.service.controller import Controller
 
-INTERMEDIATE = ("requested", "placed", "devices-ready", "releasing")
 RECONCILE = "run `vgpuctl reconcile --fix`"
 REPAIR_USAGE = "run `vgpuctl db repair-usage` to see the changes, then `vgpuctl db repair-usage --apply`"
 
@@ -83,7 +83,7 @@ def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Itera
 def _failed_vms(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     rows = conn.execute(select(VM.c.id, VM.c.name, func.count(DEVICE.c.id))
                         .join(DEVICE, DEVICE.c.vm_id == VM.c.id)
-                        .where(VM.c.state == "failed").group_by(VM.c.id, VM.c.name)).all()
+                        .where(VM.c.state == VmState.FAILED.value).group_by(VM.c.id, VM.c.name)).all()
     for vm_id, name, n in rows:
         yield Problem(f"vm {name} ({vm_id})", f"VM is failed but still holds {n} device(s)",
                       f"{RECONCILE}, or `vgpuctl vm delete {vm_id}`")
@@ -158,7 +158,7 @@ def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
     for h in conn.execute(select(HOST)).all():
         vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
                                          func.coalesce(func.sum(VM.c.memory_mib), 0))
-                                  .where(VM.c.host_id == h.id, VM.c.state.in_(HOLDING))).one()
+                                  .where(VM.c.host_id == h.id, VM.c.state.in_(HOLDS_CLAIM))).one()
         for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):
             if getattr(h, col) != value:
                 yield Problem(f"host {h.name}", f"{col} is {getattr(h, col)} but its VMs take {value}",
@@ -181,7 +181,7 @@ def _orphans(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[P
 
 def _stuck(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.state, VM.c.updated_at)
-                        .where(VM.c.state.in_(INTERMEDIATE), VM.c.updated_at < cutoff)).all()
+                        .where(VM.c.state.in_(IN_FLIGHT), VM.c.updated_at < cutoff)).all()
     for r in rows:
         yield Problem(f"vm {r.name} ({r.id})", f"VM has been {r.state} since {r.updated_at.isoformat()}",
                       f"{RECONCILE} (finishes or rolls back interrupted requests)")

@@ -31,6 +31,7 @@ from vgpu_ctl.core.placement import (
     get_policy,
     plan,
 )
+from vgpu_ctl.core.vm_state import PROVISIONING, VmState
 from vgpu_ctl.errors import (
     Conflict,
     InvalidInput,
@@ -506,7 +507,7 @@ class Controller:
         """The VM an earlier request with the same idempotency key made, as it is now: Conflict naming the key
         when that request asked for something else, or when the VM failed. A VM still being provisioned with
         nobody working on it is finished; one stopped (or being deleted) is left as it is."""
-        from vgpu_ctl.service.provision import PROVISIONING, provision_vm
+        from vgpu_ctl.service.provision import provision_vm
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, vm_id)
             pool = conn.execute(select(POOL.c.name).where(POOL.c.id == vm.pool_id)).scalar()
@@ -526,7 +527,7 @@ class Controller:
                            f"(VM {vm.name!r}; differs in {', '.join(differs)}); use a new key",
                            reasons=[{"field": "idempotency_key", "value": req.idempotency_key, "vm": vm.name,
                                      "differs": differs}])
-        if vm.state == "failed":
+        if vm.state == VmState.FAILED:
             raise Conflict(f"idempotency key {req.idempotency_key!r} made VM {vm.name!r}, which failed "
                            f"({vm.error}); delete it to try again",
                            reasons=[{"field": "idempotency_key", "value": req.idempotency_key, "vm": vm.name,
@@ -738,7 +739,8 @@ class Controller:
         _INSERT_VM.run(conn, fill_defaults(VM, {
             "id": vm_id, "tenant_id": t_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
             "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
-            "state": "placed", "idempotency_key": req.idempotency_key, "anti_affinity": req.anti_affinity,
+            "state": VmState.PLACED.value, "idempotency_key": req.idempotency_key,
+            "anti_affinity": req.anti_affinity,
             "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
             "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
         rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
@@ -748,8 +750,9 @@ class Controller:
         devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
                                    r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
                         for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
-        return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, "placed", req.vcpus, req.memory_mib,
-                      delta["framebuffer_mib"], devices, simulated=page.simulated.get(chosen.host_id, False))
+        return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
+                      req.memory_mib, delta["framebuffer_mib"], devices,
+                      simulated=page.simulated.get(chosen.host_id, False))
 
     @staticmethod
     def _backing(kind: str, host_backing: str) -> str:

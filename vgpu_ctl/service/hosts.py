@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import URL, Connection, make_url
 
+from vgpu_ctl.core.vm_state import VmState
 from vgpu_ctl.errors import InvalidInput, NotFound
 from vgpu_ctl.hosts.hostside import HostSide
 from vgpu_ctl.hosts.nodedev import NodeDeviceApi
@@ -125,5 +126,5 @@ def set_host_state(conn: Connection, name: str, state: str) -> dict[str, Any]:
         conn.execute(HOST.update().where(HOST.c.id == row.id).values(state=state))
     vms = sorted(f"{r.tenant}/{r.name}" for r in conn.execute(
         select(VM.c.name, TENANT.c.name.label("tenant")).join(TENANT, TENANT.c.id == VM.c.tenant_id)
-        .where(VM.c.host_id == row.id, VM.c.state != "failed")))
+        .where(VM.c.host_id == row.id, VM.c.state != VmState.FAILED.value)))
     return {"host": name, "from": row.state, "to": state, "vms": vms}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
+from vgpu_ctl.core.vm_state import check_move
 from vgpu_ctl.errors import Conflict
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import utcnow
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 LEASE_SECONDS = 30.0
-IN_FLIGHT = ("placed", "devices-ready", "defined", "releasing")
 _HOST = socket.gethostname()
 
 
@@ -72,6 +72,8 @@ def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_
     no live process holds it, moving it to `to_state` if given; the VM row as it was, or None when the VM is
     gone or in another state. Conflict when another live process holds it. A compare-and-set on the lease as
     read, so two callers never both take it."""
+    if to_state is not None:
+        check_move(states, to_state)
     vm = conn.execute(select(VM).where(VM.c.id == vm_id)).first()
     if vm is None or vm.state not in states:
         return None
@@ -82,7 +84,7 @@ def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_
     same = func.coalesce(VM.c.lease_holder, "") == (vm.lease_holder or "")
     values: dict[str, Any] = {"lease_holder": holder, "lease_expires": expiry()}
     if to_state is not None:
-        values.update(state=to_state, updated_at=utcnow())
+        values.update(state=str(to_state), updated_at=utcnow())
     res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, same).values(**values))
     if res.rowcount != 1:  # changed since read: someone else took it
         raise Conflict(f"VM {vm.name!r} changed while taking it to {what}; try again",
@@ -94,11 +96,12 @@ def advance(conn: Connection, vm_id: str, holder: str, from_states: Collection[s
             *, keep_lease: bool = True, **values: Any) -> bool:
     """Move the VM from one of `from_states` to `to_state` if `holder` still holds its lease (and, without
     `keep_lease`, end the lease); whether it did."""
+    check_move(from_states, to_state)
     lease: dict[str, Any] = {"lease_expires": expiry()} if keep_lease else {"lease_holder": None,
                                                                              "lease_expires": None}
-    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state.in_(list(from_states)),
+    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state.in_([str(s) for s in from_states]),
                                         VM.c.lease_holder == holder)
-                       .values(state=to_state, updated_at=utcnow(), **lease, **values))
+                       .values(state=str(to_state), updated_at=utcnow(), **lease, **values))
     return bool(res.rowcount == 1)
 
 

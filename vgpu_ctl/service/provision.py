@@ -13,6 +13,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import ProfileKind
+from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, HOLDS_CLAIM, PROVISIONING, VmState
 from vgpu_ctl.errors import Conflict, HostError, NotFound, VgpuCtlError
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDriver
 from vgpu_ctl.service import allocation as alloc
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 log = logging.getLogger(__name__)
-PROVISIONING = ("placed", "devices-ready", "defined")
 
 
 def domain_name(vm: Any) -> str:
@@ -134,7 +134,7 @@ def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None
 
 def _step(conn: Connection, vm: Any, holder: str, from_state: str, to_state: str, **values: Any) -> None:
     """One step of provisioning, taken only while `holder` holds the VM's lease (a compare-and-set)."""
-    if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state != "running", **values):
+    if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state != VmState.RUNNING, **values):
         raise Conflict(f"VM {vm.name!r} changed while it was being provisioned (another process took it over)",
                        reasons=[{"vm": vm.name, "step": to_state}])
 
@@ -143,7 +143,7 @@ def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
     with ctl.engine.connect() as conn:
         vm, host, devs = _load(ctl, conn, vm_id)
     driver = ctl.hosts.get(host)
-    if vm.state == "placed":
+    if vm.state == VmState.PLACED:
         for dev in devs:
             if dev.state == "ready":
                 continue
@@ -155,16 +155,16 @@ def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
                 conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id)
                              .values(state="ready", handle=_handle_json(handle)))
         with ctl.tx() as conn:
-            _step(conn, vm, holder, "placed", "devices-ready")
-    if vm.state in ("placed", "devices-ready"):
+            _step(conn, vm, holder, VmState.PLACED, VmState.DEVICES_READY)
+    if vm.state in BEFORE_DOMAIN:
         with ctl.engine.connect() as conn:
             xml = render_vm(ctl, conn, vm_id)
         dom_uuid = driver.define_domain(xml)
         with ctl.tx() as conn:
-            _step(conn, vm, holder, "devices-ready", "defined", domain_uuid=dom_uuid)
+            _step(conn, vm, holder, VmState.DEVICES_READY, VmState.DEFINED, domain_uuid=dom_uuid)
     driver.start_domain(domain_name(vm))
     with ctl.tx() as conn:
-        _step(conn, vm, holder, "defined", "running", error=None)
+        _step(conn, vm, holder, VmState.DEFINED, VmState.RUNNING, error=None)
         record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
                params={"name": vm.name})
 
@@ -224,18 +224,15 @@ def undo(ctl: Controller, vm_id: str, error: str, holder: str) -> None:
     VM is kept as failed. Nothing when the lease is no longer `holder`'s."""
     with ctl.engine.connect() as conn:
         vm, host, devs = _load(ctl, conn, vm_id)
-    if vm.state not in (*PROVISIONING, "running") or vm.lease_holder != holder:
+    if vm.state not in (*PROVISIONING, VmState.RUNNING) or vm.lease_holder != holder:
         return
     errors = _teardown(ctl, ctl.hosts.get(host), vm, devs)
     with ctl.tx() as conn:
-        freed = _free_once(ctl, conn, vm_id, holder, (*PROVISIONING, "running"), "failed",
+        freed = _free_once(ctl, conn, vm_id, holder, (*PROVISIONING, VmState.RUNNING), VmState.FAILED,
                            error=error + ("; cleanup: " + "; ".join(errors) if errors else ""))
         if freed is not None:
             record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", result="failed", error=error,
                    tenant=_tenant_name(conn, vm), params={"name": vm.name})
-
-
-HOLDS_CLAIM = ("placed", "devices-ready", "defined", "running", "stopped", "releasing")
 
 
 def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
@@ -243,10 +240,11 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
     quota, exactly once. Conflict while another live process works on the VM; NotFound once it is gone."""
     holder = holder or new_holder()
     with ctl.tx() as conn:
-        vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state="releasing", what="delete")
+        vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state=VmState.RELEASING, what="delete")
         if vm is None:  # failed (it holds nothing), or deleted meanwhile
             gone = conn.execute(select(VM.c.name, VM.c.tenant_id).where(VM.c.id == vm_id)).first()
-            if gone is None or conn.execute(VM.delete().where(VM.c.id == vm_id, VM.c.state == "failed")).rowcount != 1:
+            failed = VM.delete().where(VM.c.id == vm_id, VM.c.state == VmState.FAILED.value)
+            if gone is None or conn.execute(failed).rowcount != 1:
                 raise NotFound(f"VM {vm_id} not found (deleted meanwhile?)", reasons=[{"field": "vm", "value": vm_id}])
             record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=_tenant_name(conn, gone),
                    params={"name": gone.name})
@@ -259,7 +257,7 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
             if errors:
                 conn.execute(update(VM).where(VM.c.id == vm_id).values(error="; ".join(errors)))
                 drop(conn, vm_id, holder)
-            elif _free_once(ctl, conn, vm_id, holder, ("releasing",), "releasing") is None:
+            elif _free_once(ctl, conn, vm_id, holder, (VmState.RELEASING,), VmState.RELEASING) is None:
                 raise Conflict(f"VM {vm.name!r} changed while it was being deleted (another process took it over)",
                                reasons=[{"vm": vm.name}])
             else:
@@ -276,7 +274,7 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> Non
     """Start or stop a VM's domain and record the state."""
     with ctl.engine.connect() as conn:
         vm, host, _ = _load(ctl, conn, vm_id)
-    want_from = ("stopped",) if on else ("running",)
+    want_from = (VmState.STOPPED,) if on else (VmState.RUNNING,)
     if vm.state not in want_from:
         raise Conflict(f"VM {vm.name!r} is {vm.state}; it must be {' or '.join(want_from)} to "
                        f"{'start' if on else 'stop'}", reasons=[{"vm": vm.name, "state": vm.state}])
@@ -287,7 +285,7 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> Non
         driver.stop_domain(domain_name(vm), force=force)
     with ctl.tx() as conn:
         changed = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, VM.c.lease_holder.is_(None))
-                               .values(state="running" if on else "stopped", updated_at=utcnow()))
+                               .values(state=(VmState.RUNNING if on else VmState.STOPPED).value, updated_at=utcnow()))
         if changed.rowcount != 1:  # deleted or taken over meanwhile: its state is the other operation's
             raise Conflict(f"VM {vm.name!r} changed while it was being {'started' if on else 'stopped'}",
                            reasons=[{"vm": vm.name}])

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import Table, func, select
 from sqlalchemy.engine import Connection
 
+from vgpu_ctl.core.vm_state import HOLDS_CLAIM
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.allocation import DEVICE, HOST, SCOPED, TENANT
@@ -16,12 +17,11 @@ from vgpu_ctl.store.models import Pool, Vm
 
 VM: Table = Vm.__table__  # type: ignore[attr-defined]
 POOL: Table = Pool.__table__  # type: ignore[attr-defined]
-HOLDING = ("placed", "devices-ready", "defined", "running", "stopped", "releasing", "requested")
 
 
 def allocated(conn: Connection, tenant_id: int, scope: str = "*") -> dict[str, int]:
     """What a tenant's VMs hold, summed from the VMs and devices themselves (all pools, or one)."""
-    vm_where = [VM.c.tenant_id == tenant_id, VM.c.state.in_(HOLDING)]
+    vm_where = [VM.c.tenant_id == tenant_id, VM.c.state.in_(HOLDS_CLAIM)]
     if scope != "*":
         vm_where.append(VM.c.pool_id == select(POOL.c.id).where(POOL.c.name == scope).scalar_subquery())
     vms, vcpus, mem = conn.execute(select(func.count(), func.coalesce(func.sum(VM.c.vcpus), 0),
@@ -90,7 +90,7 @@ def repair_usage(conn: Connection) -> list[dict[str, Any]]:
         h = conn.execute(select(HOST.c.used_vcpus, HOST.c.used_memory_mib).where(HOST.c.id == h_id)).one()
         vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
                                          func.coalesce(func.sum(VM.c.memory_mib), 0))
-                                  .where(VM.c.host_id == h_id, VM.c.state.in_(HOLDING))).one()
+                                  .where(VM.c.host_id == h_id, VM.c.state.in_(HOLDS_CLAIM))).one()
         fixed = {c: int(v) for c, v, stored in (("used_vcpus", vcpus, h.used_vcpus),
                                                  ("used_memory_mib", mem, h.used_memory_mib)) if stored != v}
         changes += [{"object": f"host {name}", "resource": k.removeprefix("used_"),

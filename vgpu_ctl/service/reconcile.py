@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
 
+from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, IN_FLIGHT, LIVE, VmState
 from vgpu_ctl.hosts.protocol import DeviceSpec
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.leases import IN_FLIGHT, is_held, new_holder, take
-from vgpu_ctl.service.provision import PROVISIONING, domain_name, provision_vm, release_vm, undo
+from vgpu_ctl.service.leases import is_held, new_holder, take
+from vgpu_ctl.service.provision import domain_name, provision_vm, release_vm, undo
 from vgpu_ctl.service.quotas import VM
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-LIVE = ("running", "stopped")
 
 
 @dataclass
@@ -133,7 +133,7 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
 def _roll_back(ctl: Controller, vm: Any) -> None:
     holder = new_holder()
     with ctl.tx() as conn:
-        if take(conn, vm.id, holder, PROVISIONING[:2], what="roll back") is None:
+        if take(conn, vm.id, holder, BEFORE_DOMAIN, what="roll back") is None:
             raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
     undo(ctl, vm.id, f"rolled back by reconcile: left {vm.state} by a process that stopped", holder)
 
@@ -152,17 +152,17 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
         return [Finding("in-progress", host.name, f"vm:{vm.id}",
                         f"VM {vm.name} is {vm.state}: process {vm.lease_holder} is working on it (lease until "
                         f"{vm.lease_expires:%Y-%m-%d %H:%M:%S}Z, renewed while it works)", action="wait")]
-    if vm.state in PROVISIONING[:2]:
+    if vm.state in BEFORE_DOMAIN:
         return finding("stuck-claim", f"VM {vm.name} left {vm.state} (no process holds it)", "roll back",
                        lambda: _roll_back(ctl, vm))
-    if vm.state == "releasing":
+    if vm.state == VmState.RELEASING:
         return finding("stuck-release", f"VM {vm.name} left releasing (no process holds it)", "finish release",
                        lambda: release_vm(ctl, vm.id))
-    if vm.state not in ("defined", *LIVE):
+    if vm.state not in (VmState.DEFINED, *LIVE):
         return []
     missing_devices = sorted(mine - host_uuids)
     if name in domain_names and not missing_devices:
-        if vm.state == "defined":
+        if vm.state == VmState.DEFINED:
             return finding("stuck-start", f"VM {vm.name} defined but never started (no process holds it)",
                            "start domain", lambda: provision_vm(ctl, vm.id))
         return []
@@ -179,7 +179,7 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
     def recreate() -> None:
         holder = new_holder()
         with ctl.tx() as conn:
-            if take(conn, vm.id, holder, ("defined", *LIVE), to_state="placed", what="recreate") is None:
+            if take(conn, vm.id, holder, (VmState.DEFINED, *LIVE), to_state=VmState.PLACED, what="recreate") is None:
                 raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
             conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
         provision_vm(ctl, vm.id, holder)
