@@ -312,7 +312,8 @@ class Fleet:
         for i, n in enumerate(self.nodes):
             empty = MemoOccupancy(geometry_for(self.catalog, n.model, mode_of(self.catalog, n.model, self.run_mode)))
             gpus = tuple(GpuView(j, f"{n.name}/gpu{j}", empty) for j in range(n.gpus))
-            self.views.append(HostView(i, n.name, float(n.cpu_milli), float(n.memory_mib), gpus, order=i))
+            self.views.append(HostView(i, n.name, float(n.cpu_milli), float(n.memory_mib), gpus, order=i,
+                                       gpu_count=n.gpus))
             if n.gpus:
                 self.holders.setdefault(n.model, {}).setdefault(empty, {})[i] = list(range(n.gpus))
                 self.alike.setdefault(n.model, {}).setdefault(_state(self.views[i]), []).append(i)
@@ -353,7 +354,7 @@ class Fleet:
                 continue
             out.append(HostView(view.host_id, view.name, view.free_vcpus, view.free_memory_mib,
                                 tuple(view.gpus[g] for g in sorted(gids)), view.state, view.labels,
-                                view.anti_affinity, view.order))
+                                view.anti_affinity, view.order))  # only some GPUs: gpu_count unknown
         return out
 
     def host_candidates(self, model: str, req: PlacementRequest) -> list[HostView]:
@@ -385,7 +386,7 @@ class Fleet:
             insort(index.setdefault(occ, {}).setdefault(p.host_id, []), gid)
             gpus[gid] = GpuView(gpus[gid].gpu_id, gpus[gid].pci, occ, gpus[gid].pool)
         new = HostView(old.host_id, old.name, old.free_vcpus - req.vcpus, old.free_memory_mib - req.memory_mib,
-                       tuple(gpus), old.state, old.labels, old.anti_affinity, old.order)
+                       tuple(gpus), old.state, old.labels, old.anti_affinity, old.order, old.gpu_count)
         self.views[p.host_id] = new
         alike = self.alike[model]
         key = _state(old)

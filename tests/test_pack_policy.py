@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from vgpu_ctl import load_catalog
@@ -102,11 +104,15 @@ def test_a_shape_counts_only_on_the_models_it_may_run_on() -> None:
 def test_multi_gpu_tasks_see_no_fragment_on_hosts_too_small_for_them() -> None:
     demand = {TaskShape(("A100D-80C",), gpus=2): 1.0}
     req = PlacementRequest(("A100D-80C",), 1, 1024)
-    narrow = plan_on_host(host(0, occ(A100)), req, get_policy("pack", demand))
-    wide = plan_on_host(host(1, occ(A100, ("A100D-80C", 0)), occ(A100)), req, get_policy("pack", demand))
+    pack = get_policy("pack", demand)
+    narrow = plan_on_host(replace(host(0, occ(A100)), gpu_count=1), req, pack)
+    wide = plan_on_host(replace(host(1, occ(A100, ("A100D-80C", 0)), occ(A100)), gpu_count=2), req, pack)
     assert narrow is not None and wide is not None
     assert narrow[0][0] == 0.0  # a one-GPU host never runs a 2-GPU task
     assert wide[0][0] == -1.0  # the lone free GPU of a 2-GPU host was a fragment for them
+    # a view of only some of a host's GPUs (the store's candidate page) does not say how wide the host is
+    partial = plan_on_host(host(0, occ(A100)), req, pack)
+    assert partial is not None and partial[0][0] == -1.0
 
 
 def test_scarce_models_room_is_left_to_the_demand_that_can_run_only_there() -> None:

@@ -33,6 +33,7 @@ class HostView:
     labels: Mapping[str, str] = field(default_factory=dict)
     anti_affinity: frozenset[str] = frozenset()
     order: int = 0  # fixed host order for deterministic tie-breaks
+    gpu_count: int | None = None  # all the host's GPUs, when `gpus` is the whole host (None: maybe only some)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,7 @@ def _gang_fragmentation(kinds: tuple[_Kind, ...], totals: GpuStats, moves: Seque
     return total
 
 
+_ANY_WIDTH = 1 << 16
 Supply = tuple[tuple[str, float], ...]  # GPU model -> GPUs of it, sorted
 
 
@@ -256,7 +258,8 @@ def _host_cost(mix: Mix | None, supply: Supply = ()) -> HostCostFn:
         before = {g.gpu_id: g.occupancy for g in host.gpus}
         prices = {g: priced(kinds, o.geometry) for g, o in before.items()} if supply else {}
         # The request's vCPUs and memory may shut tasks out of the whole host, the GPUs it leaves alone included.
-        width = len(host.gpus)
+        # Tasks wider than the host never run there; unknown when the view holds only some of its GPUs.
+        width = host.gpu_count if host.gpu_count is not None else _ANY_WIDTH
         shift = 0.0 if then == now else sum(_gpu_fragmentation(o, kinds, then, width) -
                                             _gpu_fragmentation(o, kinds, now, width) for o in before.values())
         totals: GpuStats | None = None
