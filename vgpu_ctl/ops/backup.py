@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.ops import require_admin
+from vgpu_ctl.service.leases import pid_runs
 from vgpu_ctl.store import migrate
 
 if TYPE_CHECKING:
@@ -42,21 +43,11 @@ def store_path(ctl: Controller) -> Path:
     return Path(url.database)
 
 
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _clean_stale_temps(dest: Path) -> None:
     """Remove what earlier copies to `dest` that were killed left behind (their process no longer runs)."""
     for tmp in dest.parent.glob(f".{dest.name}.*.tmp"):
         pid = tmp.name[len(dest.name) + 2:-4]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_runs(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_runs(int(pid))):
             tmp.unlink(missing_ok=True)
 
 

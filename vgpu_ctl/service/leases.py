@@ -42,7 +42,8 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-def _pid_runs(pid: int) -> bool:
+def pid_runs(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (one of another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,7 +63,7 @@ def is_held(holder: str | None, expires: datetime | None, now: datetime | None =
     host, _, rest = holder.partition(":")
     pid = rest.partition(":")[0]
     if host == _HOST and pid.isdigit():
-        return _pid_runs(int(pid))
+        return pid_runs(int(pid))
     return True
 
 
