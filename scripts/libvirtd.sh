@@ -13,7 +13,11 @@ ensure_libvirtd() {
     for _ in $(seq 1 30); do virsh -q -c qemu:///system version >/dev/null 2>&1 && break; sleep 1; done
     virsh -q -c qemu:///system version >/dev/null || { echo "libvirtd did not come up" >&2; return 1; }
   fi
-  if ! virsh -q -c qemu:///system net-info default 2>/dev/null | grep -q '^Active: *yes'; then
-    virsh -q -c qemu:///system net-start default >/dev/null
+  # Read the state first: `virsh ... | grep -q` fails under pipefail when grep stops reading early (SIGPIPE).
+  local net
+  net=$(virsh -q -c qemu:///system net-info default 2>/dev/null || true)
+  if ! [[ "$net" =~ Active:\ *yes ]]; then
+    virsh -q -c qemu:///system net-start default >/dev/null 2>&1 \
+      || virsh -q -c qemu:///system net-info default | grep -E '^Active: *yes' >/dev/null
   fi
 }
