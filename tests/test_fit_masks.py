@@ -25,7 +25,7 @@ from test_geometry import CATALOG, geom
 from vgpu_ctl import Controller, NoCapacity
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import FIT_BITS, Misfit, Occupancy, fit_mask, parse_mig_layout, profile_bit
-from vgpu_ctl.core.placement import PlacementRequest
+from vgpu_ctl.core.placement import PlacementRequest, get_policy
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
@@ -212,7 +212,7 @@ def _candidate_ids(ctl: Controller, pool: str, profile: str) -> list[int]:
         p = conn.execute(select(POOL).where(POOL.c.name == pool)).one()
         preq = PlacementRequest((profile,), 1, 1024)
         ids = []
-        for page in alloc.candidate_pages(conn, ctl.catalog, preq, p.id, p.policy, {p.id: p.name}):
+        for page in alloc.candidate_pages(conn, ctl.catalog, preq, p.id, get_policy(p.policy).order, {p.id: p.name}):
             ids += [g.gpu_id for h in page.hosts for g in h.gpus]
         return ids
 
@@ -538,3 +538,23 @@ def test_migration_0002_downgrades_with_vms_and_upgrades_again(store_url: str, s
         assert_masks_match(c)
     finally:
         c.close()
+
+
+def test_candidate_order_is_declared_by_the_policy(acme: Controller, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store pages candidates in the order the pool's policy declares, for a plugged-in policy too (the
+    inventory accepts any policy in POLICIES; before, an unknown name silently got pack's order)."""
+    from vgpu_ctl.core import placement
+    ctl = acme
+    used = req(ctl, "one", "1g.10gb", "inference").devices[0].gpu_id
+    gpus = {gpu_id(ctl, "kvm-h100-01", pci) for pci in ("0000:19:00.0", "0000:3b:00.0")}
+    assert used in gpus
+    assert _candidate_ids(ctl, "inference", "1g.10gb")[0] == used  # pack: fullest first
+
+    emptiest = placement.Policy("emptiest", placement.POLICIES["first-fit"]().score,
+                                placement.CandidateOrder.EMPTIEST_FIRST)
+    monkeypatch.setitem(placement.POLICIES, "emptiest", lambda _demand=None: emptiest)
+    edited = write_inventory(tmp_path, DEMO.read_text().replace(
+        "  - name: inference\n    policy: pack\n", "  - name: inference\n    policy: emptiest\n"), "e.yaml")
+    ctl.apply_inventory(edited)
+    assert _candidate_ids(ctl, "inference", "1g.10gb")[0] == (gpus - {used}).pop()

@@ -75,6 +75,8 @@ REFUSALS: list[tuple[str, str, int, str, str]] = [
      4, "pools[0].demand[0].cpus", "cpus"),
     ("demand-short-form-bad-weight", SMALL.replace("  - name: p1\n", "  - name: p1\n    demand: {3g.40gb: -1}\n"),
      3, "pools[0].demand[0].weight", "-1"),
+    ("unknown-policy", SMALL.replace("  - name: p1\n", "  - name: p1\n    policy: tetris\n"),
+     3, "pools[0].policy", "tetris"),
 ]
 
 

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import Mode, geometry_for, parse_mig_layout
+from vgpu_ctl.core.placement import POLICIES
 from vgpu_ctl.errors import InvalidInput, InventoryError
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # whole strings only: fullmatch
@@ -143,10 +144,17 @@ class PoolDecl(_Named):
     typical requests (profile, GPU count, vCPUs, memory, weight), or the short form profile -> weight (one vGPU,
     no vCPUs or memory)."""
 
-    policy: Literal["pack", "spread", "first-fit", "best-fit"] = "pack"
+    policy: str = "pack"
     template: str | None = None
     description: str = ""
     demand: list[TaskDecl] | None = None
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"{v!r} is not a placement policy (known: {', '.join(sorted(POLICIES))})")
+        return v
 
     @field_validator("demand", mode="before")
     @classmethod

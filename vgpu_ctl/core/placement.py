@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import lru_cache
 
 from vgpu_ctl.core.geometry import Geometry, Misfit, Occupancy
@@ -92,12 +93,23 @@ PlanCost = Callable[[Mapping[int, Occupancy], int, Occupancy], float]
 HostCostFn = Callable[[HostView, PlacementRequest], PlanCost]
 
 
+class CandidateOrder(StrEnum):
+    """The order in which the store hands a policy its candidate GPUs (pages of the candidate index), so that
+    the first page holds the positions the policy prefers."""
+
+    FULLEST_FIRST = "fullest-first"  # least free space first, then host order
+    EMPTIEST_FIRST = "emptiest-first"  # most free space first, then host order
+    HOST_ORDER = "host-order"  # the order hosts and GPUs were declared in
+
+
 @dataclass(frozen=True)
 class Policy:
-    """A placement policy: a score for each feasible position (after a host cost, if it has one); the smallest wins."""
+    """A placement policy: a score for each feasible position (after a host cost, if it has one); the smallest wins.
+    `order` is the candidate order it wants from the store."""
 
     name: str
     score: ScoreFn
+    order: CandidateOrder
     description: str = ""
     host_cost: HostCostFn | None = None
 
@@ -293,7 +305,7 @@ def pack_policy(demand: Demand | None = None, supply: Mapping[str, float] | None
     demand mix grows least, first in host order among equals; no demand: every profile of the host's GPUs alike.
     With `supply` (GPU model -> GPUs of it), room on a model is also priced by the demand that can run only there
     against the model's share of the GPUs, so tasks that could run elsewhere leave scarce models' room to it."""
-    return Policy("pack", _first_fit, "fragmentation-aware packing (default)",
+    return Policy("pack", _first_fit, CandidateOrder.FULLEST_FIRST, "fragmentation-aware packing (default)",
                   _host_cost(_mix(demand), tuple(sorted((supply or {}).items()))))
 
 
@@ -314,18 +326,18 @@ def _uniform_mix(geometries: tuple[Geometry, ...]) -> Mix:
     return tuple((TaskShape((p,)), 1 / len(profiles)) for p in profiles) if profiles else ()
 
 
-def _fixed(name: str, score: ScoreFn, description: str) -> Callable[[Demand | None], Policy]:
+def _fixed(name: str, score: ScoreFn, order: CandidateOrder, description: str) -> Callable[[Demand | None], Policy]:
     """A policy factory for a policy that ignores the demand mix."""
     def make(_demand: Demand | None = None) -> Policy:
-        return Policy(name, score, description)
+        return Policy(name, score, order, description)
     return make
 
 
 POLICIES: dict[str, Callable[[Demand | None], Policy]] = {
     "pack": pack_policy,
-    "spread": _fixed("spread", _spread, "least-loaded GPU and host first"),
-    "first-fit": _fixed("first-fit", _first_fit, "first GPU in host order that fits"),
-    "best-fit": _fixed("best-fit", _best_fit, "GPU left with the least free space"),
+    "spread": _fixed("spread", _spread, CandidateOrder.EMPTIEST_FIRST, "least-loaded GPU and host first"),
+    "first-fit": _fixed("first-fit", _first_fit, CandidateOrder.HOST_ORDER, "first GPU in host order that fits"),
+    "best-fit": _fixed("best-fit", _best_fit, CandidateOrder.FULLEST_FIRST, "GPU left with the least free space"),
 }
 
 

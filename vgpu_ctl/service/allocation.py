@@ -28,7 +28,7 @@ from vgpu_ctl.core.geometry import (
     profile_bit,
     supported_modes,
 )
-from vgpu_ctl.core.placement import GpuView, HostView, PlacementPlan, PlacementRequest
+from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
 from vgpu_ctl.store.models import Device, Gpu, Host, ScopedQuota, Tenant
 from vgpu_ctl.store.prepared import Prepared, insert_all
@@ -183,24 +183,33 @@ _CANDIDATE_COLS = (*_GPU_COLS, HOST.c.name.label("host_name"), *_HOST_COLS[2:])
 _NO_LABELS = (*_CANDIDATE_COLS[:-1], null().label("labels"))
 
 
-def _order(policy: str) -> list[Any]:
+def _order(order: CandidateOrder) -> list[Any]:
     # Only columns of the gpu_candidates index (which ends in the row id): SQLite then reads the first page
     # straight from the index instead of sorting every GPU with the same free space. GPU ids follow the
     # order hosts were declared in, which is the fixed host order placement breaks ties by.
-    if policy == "spread":
+    if order is CandidateOrder.EMPTIEST_FIRST:
         return [GPU.c.free_units.desc(), GPU.c.id]
-    if policy == "first-fit":
+    if order is CandidateOrder.HOST_ORDER:
         return [GPU.c.id]
     return [GPU.c.free_units, GPU.c.id]
 
 
-def _order_key(policy: str) -> Callable[[CandidateRow], tuple[int, ...]]:
+def _order_key(order: CandidateOrder) -> Callable[[CandidateRow], tuple[int, ...]]:
     """`_order` in Python, on candidate rows."""
-    if policy == "spread":
+    if order is CandidateOrder.EMPTIEST_FIRST:
         return lambda r: (-r.free_units, r.id)
-    if policy == "first-fit":
+    if order is CandidateOrder.HOST_ORDER:
         return lambda r: (r.id,)
     return lambda r: (r.free_units, r.id)
+
+
+def _host_order(order: CandidateOrder, free: Any) -> list[Any]:
+    """`_order` for whole hosts, by the free units of their matching GPUs (`free`)."""
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return [free.desc(), GPU.c.host_id]
+    if order is CandidateOrder.HOST_ORDER:
+        return [GPU.c.host_id]
+    return [free, GPU.c.host_id]
 
 
 @dataclass
@@ -255,43 +264,43 @@ _IN_POOL = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
 
 
 @lru_cache(maxsize=16)
-def _page_query(policy: str, labels: bool) -> Prepared:
-    """Single GPU: the first page_limit GPUs of one placeable, in the policy's order (a range of the
+def _page_query(order: CandidateOrder, labels: bool) -> Prepared:
+    """Single GPU: the first page_limit GPUs of one placeable, in the policy's candidate order (a range of the
     gpu_candidates index). Bound at execution: pool_id, the placeable, req_vcpus, req_memory_mib,
     page_limit."""
     return Prepared(select(*(_CANDIDATE_COLS if labels else _NO_LABELS)).join(HOST, HOST.c.id == GPU.c.host_id)
-                    .where(_IN_POOL, _GPU_MATCH, _HOST_FILTER).order_by(*_order(policy))
+                    .where(_IN_POOL, _GPU_MATCH, _HOST_FILTER).order_by(*_order(order))
                     .limit(bindparam("page_limit", type_=Integer)))
 
 
 @lru_cache(maxsize=1024)
-def _hosts_query(catalog: Catalog, profiles: frozenset[str], policy: str, labels: bool) -> Prepared:
+def _hosts_query(catalog: Catalog, profiles: frozenset[str], order: CandidateOrder, labels: bool) -> Prepared:
     """Multi-GPU: the GPUs of a page of hosts with enough GPUs that can take a profile, the hosts in the
-    policy's order of their free units. Bound at execution: pool_id, req_vcpus, req_memory_mib,
-    page_limit, page_offset, ndev."""
+    policy's candidate order of their free units (host order for HOST_ORDER). Bound at execution: pool_id,
+    req_vcpus, req_memory_mib, page_limit, page_offset, ndev."""
     cols = _CANDIDATE_COLS if labels else _NO_LABELS
     limit = bindparam("page_limit", type_=Integer)
     where = and_(_IN_POOL, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
     free = func.sum(GPU.c.free_units)
     hosts_page = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
                   .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
-                  .order_by(free if policy != "spread" else free.desc(), GPU.c.host_id)
+                  .order_by(*_host_order(order, free))
                   .limit(limit).offset(bindparam("page_offset", type_=Integer)))
     return Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
                     .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery())))
 
 
 def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
-                    policy: str, pool_names: Mapping[int, str]) -> Iterable[Candidates]:
-    """Pages of candidate hosts in a pool, best first by the policy's order; each page is a few GPUs or
-    hosts."""
+                    order: CandidateOrder, pool_names: Mapping[int, str]) -> Iterable[Candidates]:
+    """Pages of candidate hosts in a pool, best first by the policy's candidate order; each page is a few
+    GPUs or hosts."""
     ndev = len(req.profiles)
     labels = bool(req.labels)
     targets = placeables(catalog, frozenset(req.profiles))
     if not targets:
         return
     params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib}
-    order_key = _order_key(policy)
+    order_key = _order_key(order)
     offset = 0
     rows: list[CandidateRow]
     while True:
@@ -301,13 +310,13 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
             params["page_limit"] = offset + PAGE
             merged: dict[int, CandidateRow] = {}
             for c in targets:
-                for t in _page_query(policy, labels).run(conn, {**params, **_match_params(c)}).fetchall():
+                for t in _page_query(order, labels).run(conn, {**params, **_match_params(c)}).fetchall():
                     merged.setdefault(t[0], CandidateRow._make(t))
             rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(targets) > 1 \
                 else list(merged.values())[offset:]
             step = PAGE
         else:
-            q = _hosts_query(catalog, frozenset(req.profiles), policy, labels)
+            q = _hosts_query(catalog, frozenset(req.profiles), order, labels)
             rows = [CandidateRow._make(t) for t in q.run(conn, {**params, "page_limit": PAGE // 2,
                                                                   "page_offset": offset, "ndev": ndev})]
             step = PAGE // 2

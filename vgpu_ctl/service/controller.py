@@ -688,7 +688,7 @@ class Controller:
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
         policy = pool_policy(pool.policy, pool.demand)
-        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, pool.policy, pool_names):
+        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:
                 return chosen, page
