@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 _TESTS = str(Path(__file__).resolve().parent)
@@ -113,6 +114,10 @@ def test_the_cli_explains_this_machine(tmp_path: Path, monkeypatch: pytest.Monke
         assert checks["iommu"]["detail"].startswith("IOMMU is off")
         if not os.path.exists("/proc/driver/nvidia/version"):
             assert checks["nvidia driver"]["status"] == "fail"
+    as_yaml = runner.invoke(app, ["--db", db, "host", "check", "here", "-o", "yaml"])
+    assert as_yaml.exit_code == 1 and yaml.safe_load(as_yaml.output)["host"] == "here"
+    missing_json = runner.invoke(app, ["--db", db, "host", "check", "nowhere", "-o", "json"])
+    assert missing_json.exit_code == 4 and json.loads(missing_json.output)["error"]["code"] == "not_found"
     text = runner.invoke(app, ["--db", db, "host", "check", "here"]).output
     assert "fail iommu: IOMMU is off" in text and "do: enable VT-d / AMD-Vi" in text
     missing = runner.invoke(app, ["--db", db, "host", "check", "nowhere"])

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from vgpu_ctl.cli.common import console, handled, print_json, run
+from vgpu_ctl.cli.common import JSON_OPT, OUTPUT_OPT, Output, console, emit, handled, machine, out_format, run
 from vgpu_ctl.store.engine import state_dir
 
 
@@ -35,22 +35,23 @@ def record_written(found: Any, as_json: Any) -> list[dict[str, Any]]:
 
 def host_check(target: str = typer.Argument(..., help="Host name in the store, or a libvirt URI."),
                backing: str = typer.Option("mdev", help="For a URI: how its vGPUs are made (mdev or vfio)."),
-               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Check a host for vGPUs: libvirt and QEMU, IOMMU, vfio, NVIDIA driver, mdev bus or SR-IOV VFs, MIG mode,
     mdevctl. Exit 1 when a check fails."""
     from vgpu_ctl.hosts.hostside import open_host_side
     from vgpu_ctl.hosts.preflight import check_host
 
+    fmt = out_format(as_json, output)
     if "://" in target:
         host: Any = SimpleNamespace(name=urlsplit(target).hostname or "localhost", uri=target,
                                     vgpu_backing=backing)
     else:
         from vgpu_ctl.service.host_types import host_row
-        host = run(as_json, lambda c: host_row(c, target))
-    with handled(as_json):
+        host = run(fmt, lambda c: host_row(c, target))
+    with handled(fmt):
         report = check_host(host.name, host.uri, open_host_side(host, state_dir()), host.vgpu_backing)
-    if as_json:
-        print_json(report.to_dict())
+    if machine(fmt):
+        emit(fmt, report.to_dict())
     else:
         colour = {"ok": "green", "warn": "yellow", "fail": "red"}
         console.print(f"host {report.host} ({report.uri})")
