@@ -4,6 +4,7 @@ inventory applied, run once per store."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "inventory" / "demo.yaml"
@@ -204,3 +206,29 @@ def assert_unchanged_but_refusal(c: Any, before: dict[str, Any], action: str = "
     assert after["events"][:len(before["events"])] == before["events"]
     assert len(new) == 1, new
     assert new[0][4] == action and new[0][7] == "refused", new
+
+
+class Cli:
+    """vgpuctl on one store, in process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str) -> Any:
+        from vgpu_ctl.cli.main import app
+        return self.runner.invoke(app, ["--db", self.url, *args])
+
+    def json(self, *args: str, code: int = 0) -> Any:
+        result = self(*args, "--json")
+        assert result.exit_code == code, (result.exit_code, result.output)
+        return json.loads(result.stdout)
+
+
+@pytest.fixture
+def cli(state_dir: Path, sqlite_url: str) -> Iterator[Cli]:
+    """The CLI on a SQLite store with the demo inventory and tenant acme."""
+    c = Cli(sqlite_url)
+    c.json("inventory", "apply", str(DEMO))
+    c.json("tenant", "create", "acme")
+    yield c

@@ -4,39 +4,14 @@ name the field and value, with nothing changed by a refused command."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, store_snapshot
+from conftest import Cli, store_snapshot
 from lxml import etree
-from typer.testing import CliRunner
 
 from vgpu_ctl import Controller
-from vgpu_ctl.cli.main import app
-
-
-class Cli:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.runner = CliRunner()
-
-    def __call__(self, *args: str) -> Any:
-        return self.runner.invoke(app, ["--db", self.url, *args])
-
-    def json(self, *args: str, code: int = 0) -> Any:
-        result = self(*args, "--json")
-        assert result.exit_code == code, (result.exit_code, result.output)
-        return json.loads(result.stdout)
-
-
-@pytest.fixture
-def cli(state_dir: Path, sqlite_url: str) -> Iterator[Cli]:
-    c = Cli(sqlite_url)
-    c.json("inventory", "apply", str(DEMO))
-    c.json("tenant", "create", "acme")
-    yield c
 
 
 def snapshot(cli: Cli) -> dict[str, Any]:

@@ -13,14 +13,13 @@ import subprocess
 import sys
 import typing
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import DEMO, REPO, store_snapshot, write_inventory
-from test_cli import Cli, snapshot
+from conftest import DEMO, REPO, Cli, store_snapshot, write_inventory
+from test_cli import snapshot
 
 from vgpu_ctl import Controller, PlacedDevice, Placement, VmInfo, __version__
 from vgpu_ctl.cli.main import app
@@ -39,14 +38,6 @@ hosts:
     vcpus: 32
     memory_mib: 131072
 """
-
-
-@pytest.fixture
-def cli(state_dir: Path, sqlite_url: str) -> Iterator[Cli]:
-    c = Cli(sqlite_url)
-    c.json("inventory", "apply", str(DEMO))
-    c.json("tenant", "create", "acme")
-    yield c
 
 
 def hosts_of(cli: Cli) -> list[str]:
