@@ -111,9 +111,9 @@ def store_snapshot(c: Any) -> dict[str, Any]:
     from vgpu_ctl.service.audit import EVENT
     from vgpu_ctl.service.quotas import VM
 
-    def rows(table: Any, order: Any) -> list[tuple[Any, ...]]:
+    def rows(table: Any, order: Any) -> list[dict[str, Any]]:
         with c.engine.connect() as conn:
-            return [tuple(r) for r in conn.execute(select(table).order_by(order)).all()]
+            return [dict(r._mapping) for r in conn.execute(select(table).order_by(order)).all()]
 
     return {
         "inventory": c.inventory(),
@@ -205,7 +205,7 @@ def assert_unchanged_but_refusal(c: Any, before: dict[str, Any], action: str = "
     new = after["events"][len(before["events"]):]
     assert after["events"][:len(before["events"])] == before["events"]
     assert len(new) == 1, new
-    assert new[0][4] == action and new[0][7] == "refused", new
+    assert new[0]["action"] == action and new[0]["result"] == "refused", new
 
 
 class Cli:

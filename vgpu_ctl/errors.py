@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,13 @@ class Conflict(VgpuCtlError):
 
 
 @dataclass
+class PreconditionFailed(Conflict):
+    """The object changed since the caller read it (its generation is not the one given, as HTTP If-Match)."""
+
+    code: str = "precondition_failed"
+
+
+@dataclass
 class HostError(VgpuCtlError):
     """A host (libvirt, NVML, sysfs) failed to do what was asked."""
 
@@ -102,6 +109,23 @@ class PermissionDenied(VgpuCtlError):
 
     code: str = "permission_denied"
     exit_code: int = 7
+
+
+def _subclasses(cls: type[VgpuCtlError]) -> Iterator[type[VgpuCtlError]]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _subclasses(sub)
+
+
+def error_from_dict(d: Mapping[str, Any]) -> VgpuCtlError:
+    """The error whose `to_dict()` is `d` (a server's answer raised again in its client); a code this version
+    does not know becomes a VgpuCtlError with that code."""
+    code = str(d.get("code", "error"))
+    message, reasons = str(d.get("message", code)), list(d.get("reasons") or [])
+    for cls in _subclasses(VgpuCtlError):
+        if cls.__dataclass_fields__["code"].default == code:
+            return cls(message, reasons)
+    return VgpuCtlError(message, reasons, code=code)
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:

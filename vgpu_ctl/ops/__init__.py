@@ -7,16 +7,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vgpu_ctl.errors import PermissionDenied
-
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 
 def require_admin(ctl: Controller, what: str) -> None:
     """PermissionDenied unless the controller acts as the admin."""
-    if not ctl.principal.is_admin:
-        raise PermissionDenied(f"{what} is an admin command; tenant {ctl.principal.tenant!r} may not run it")
+    ctl.principal.require_admin(what)
 
 
-__all__ = ["require_admin"]
+def require_reader(ctl: Controller, what: str) -> None:
+    """PermissionDenied unless the controller acts as the admin or a reader (dashboards, metrics)."""
+    ctl.principal.require_reader(what)
+
+
+__all__ = ["require_admin", "require_reader"]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import secrets
 import time
 import uuid
-import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -18,9 +15,9 @@ from typing import Any, Literal, overload
 
 from sqlalchemy import Integer, String, bindparam, cast, select
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
-from vgpu_ctl.catalog import Catalog, ProfileInfo, load_catalog
+from vgpu_ctl.catalog import Catalog, ProfileInfo
 from vgpu_ctl.core.placement import (
     PlacementPlan,
     PlacementRequest,
@@ -37,7 +34,6 @@ from vgpu_ctl.errors import (
     InvalidInput,
     NoCapacity,
     NotFound,
-    PermissionDenied,
     QuotaExceeded,
     Refused,
     did_you_mean,
@@ -45,9 +41,18 @@ from vgpu_ctl.errors import (
 from vgpu_ctl.inventory import MAX_EVENTS, InventoryDecl, check_int, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.fit_masks import ensure_fit_masks
+from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
-from vgpu_ctl.service.leases import expiry, new_holder
+from vgpu_ctl.service.leases import check_generation, expiry, new_holder
+from vgpu_ctl.service.principals import (
+    Principal,
+    authenticate,
+    create_api_token,
+    hash_token,
+    list_api_tokens,
+    new_token,
+    revoke_api_token,
+)
 from vgpu_ctl.service.quotas import VM, repair_usage, set_limits, usage_report
 from vgpu_ctl.service.requests import (
     BASE_RESOURCES,
@@ -58,12 +63,7 @@ from vgpu_ctl.service.requests import (
     VmInfo,
     VmRequest,
 )
-from vgpu_ctl.store import migrate
-from vgpu_ctl.store.checkpoint import WalCheckpointer
-from vgpu_ctl.store.engine import default_url, make_engine, state_dir
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
-from vgpu_ctl.store.urls import check_store_url, store_error
-from vgpu_ctl.store.writer_queue import WriterQueue
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 _ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of a VM id, no LIKE wildcards
@@ -107,49 +107,34 @@ class _Ask:
     pool_names: dict[int, str]
 
 
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: the admin (store access) or one tenant (by token)."""
-
-    actor: str
-    tenant_id: int | None = None
-    tenant: str | None = None
-
-    @property
-    def is_admin(self) -> bool:
-        """True for the admin."""
-        return self.tenant_id is None
-
-
-def hash_token(token: str) -> str:
-    """The stored form of a tenant token."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 class Controller:
     """vgpu-ctl's service API: inventory, tenants and quotas, VM placement and lifecycle."""
 
     def __init__(self, url: str | None = None, *, engine: Engine | None = None, catalog: Catalog | None = None,
                  token: str | None = None, actor: str | None = None, host_factory: Any = None,
-                 state_path: Path | None = None, init: bool = True) -> None:
+                 state_path: Path | None = None, init: bool = True, context: ServiceContext | None = None,
+                 principal: Principal | None = None) -> None:
+        """Open the store (or share `context`, which the caller keeps and closes) and act as `principal`, or as
+        whom `token` names (none: the admin). The admin's open upgrades the schema (unless not `init`); a token's
+        open needs it at the newest revision."""
+        self._owns = context is None
+        if context is None:
+            schema = "as-is" if not init else ("upgrade" if token is None and principal is None else "require")
+            context = ServiceContext(url, engine=engine, catalog=catalog, host_factory=host_factory,
+                                     state_path=state_path, schema=schema)
+        self.ctx = context
+        self.engine, self.catalog, self.hosts, self.state_path = (context.engine, context.catalog, context.hosts,
+                                                                  context.state_path)
         try:
-            self.engine = engine or make_engine(check_store_url(url))
-            self._checkpointer = WalCheckpointer.for_engine(self.engine)
-            if self._checkpointer is not None:  # a controller dropped without close() leaves no thread behind
-                weakref.finalize(self, self._checkpointer.stop_soon)
-            self._writers = WriterQueue.for_engine(self.engine)
-            self.catalog = catalog or load_catalog()
-            self.state_path = state_path or state_dir()
-            if init and token is None:  # a tenant opens the store as it is; the admin upgrades it
-                self._upgrade(refresh_fit_masks=False)
-            elif init:
-                migrate.require_head(self.engine)
-        except (SQLAlchemyError, OSError) as exc:
-            raise store_error(url or default_url(), exc) from None
-        from vgpu_ctl.service.hosts import HostFactory, simulated_state_dir
-        self.hosts = host_factory or HostFactory(  # simulated hosts live with their store
-            self.state_path, simulated_dir=simulated_state_dir(self.engine.url, self.state_path))
-        self.principal = self._principal(token, actor)
+            self.principal = principal or self._principal(token, actor)
+        except BaseException:
+            if self._owns:
+                context.close()
+            raise
+
+    def acting_as(self, principal: Principal) -> Controller:
+        """A Controller on the same store and hosts acting for `principal` (closing it closes nothing shared)."""
+        return Controller(context=self.ctx, principal=principal)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -157,22 +142,15 @@ class Controller:
         """Create or upgrade the store's schema and bring the GPUs' fit masks up to date with the catalog
         (all of them recomputed with `refresh_fit_masks`); the revision it is at. Admin only."""
         self._admin("init")
-        return self._upgrade(refresh_fit_masks)
+        return self.ctx.upgrade(refresh_fit_masks)
 
-    def _upgrade(self, refresh_fit_masks: bool) -> str:
-        migrate.upgrade(self.engine)
-        ensure_fit_masks(self.engine, self.catalog, force=refresh_fit_masks)
-        return migrate.head_revision()
-
-    @contextmanager
-    def tx(self) -> Iterator[Connection]:
+    def tx(self) -> AbstractContextManager[Connection]:
         """One transaction (SQLite: taken with BEGIN IMMEDIATE, in turn with this store's other controllers)."""
-        with self.write_turn(), self.engine.begin() as conn:
-            yield conn
+        return self.ctx.tx()
 
     def write_turn(self) -> AbstractContextManager[None]:
         """Wait for this process's turn to write (SQLite: the store's writer queue; PostgreSQL: no wait)."""
-        return self._writers.turn() if self._writers is not None else nullcontext()
+        return self.ctx.write_turn()
 
     def __enter__(self) -> Controller:
         return self
@@ -181,31 +159,18 @@ class Controller:
         self.close()
 
     def close(self) -> None:
-        """Release database connections and host connections."""
-        self.hosts.close()
-        self.engine.dispose()
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
-        if self._writers is not None:
-            self._writers.close()
+        """Release database and host connections (of a shared context: nothing, its owner closes it)."""
+        if self._owns:
+            self.ctx.close()
 
     def _principal(self, token: str | None, actor: str | None) -> Principal:
         if token is None:
             return Principal(actor or "admin")
-        if not token.strip():
-            raise PermissionDenied("the tenant token is empty; give a tenant's token, or none to act as the admin",
-                                   reasons=[{"field": "token", "value": token}])
         with self.engine.connect() as conn:
-            row = conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)
-                               .where(alloc.TENANT.c.token_hash == hash_token(token))).first()
-        if row is None:
-            raise PermissionDenied("the tenant token is not valid (wrong or revoked); ask the admin for a new one "
-                                   "(vgpuctl tenant token TENANT)")
-        return Principal(actor or f"tenant:{row.name}", row.id, row.name)
+            return authenticate(conn, token, actor)
 
     def _admin(self, what: str) -> None:
-        if not self.principal.is_admin:
-            raise PermissionDenied(f"{what} is an admin command; tenant {self.principal.tenant!r} may not run it")
+        self.principal.require_admin(what)
 
     def _tenant_row(self, conn: Connection, name: str) -> Any:
         rows = _TENANT_BY_NAME.rows(conn, {"name": name})
@@ -294,8 +259,8 @@ class Controller:
         return out
 
     def inventory(self) -> dict[str, Any]:
-        """Pools, hosts and GPUs as the store holds them."""
-        self._admin("inventory show")
+        """Pools, hosts and GPUs as the store holds them (the admin and readers)."""
+        self.principal.require_reader("inventory show")
         with self.engine.connect() as conn:
             pools = {r.id: r.name for r in conn.execute(select(POOL))}
             hosts = []
@@ -347,14 +312,24 @@ class Controller:
             if self.principal.tenant_id is not None:
                 q = q.where(alloc.TENANT.c.id == self.principal.tenant_id)
             return [{"name": t.name, "vms": t.vms_used, "vgpus": t.vgpus_used,
-                     "framebuffer_mib": t.framebuffer_mib_used, "has_token": t.token_hash is not None}
+                     "framebuffer_mib": t.framebuffer_mib_used, "has_token": t.token_hash is not None,
+                     "generation": t.generation}
                     for t in conn.execute(q)]
 
-    def delete_tenant(self, name: str) -> None:
-        """Remove a tenant that has no VMs."""
+    def get_tenant(self, name: str) -> dict[str, Any]:
+        """One tenant with its generation (its ETag), usage and limits (a tenant caller sees only itself)."""
+        with self.engine.connect() as conn:
+            t = self._tenant_row(conn, name)
+            return {"name": t.name, "generation": t.generation, "has_token": t.token_hash is not None,
+                    "created_at": t.created_at.isoformat(), "quota": usage_report(conn, t.id)}
+
+    def delete_tenant(self, name: str, if_generation: int | None = None) -> None:
+        """Remove a tenant that has no VMs (PreconditionFailed, nothing changed, when `if_generation` is given
+        and the tenant has changed since)."""
         self._admin("tenant delete")
         with self.tx() as conn:
             t = self._tenant_row(conn, name)
+            check_generation(t, if_generation, "tenant", name)
             vms = [r[0] for r in conn.execute(select(VM.c.name).where(VM.c.tenant_id == t.id))]
             if vms:
                 raise Conflict(f"tenant {name!r} still has VMs: {', '.join(sorted(vms))}; delete them first",
@@ -366,7 +341,7 @@ class Controller:
     def issue_token(self, name: str) -> str:
         """A new API token for the tenant (the previous one stops working); only its hash is stored."""
         self._admin("tenant token")
-        token = f"vgt_{secrets.token_urlsafe(32)}"
+        token = new_token("vgt")
         with self.tx() as conn:
             t = self._tenant_row(conn, name)
             conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=hash_token(token)))
@@ -381,9 +356,29 @@ class Controller:
             conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=None))
             record(conn, self.principal.actor, "tenant.token.revoke", name, tenant=name)
 
-    def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None) -> dict[str, Any]:
+    def create_api_token(self, name: str, role: str) -> str:
+        """Issue an API token for `role` (admin or reader) named `name`; the token (only its hash is kept)."""
+        self._admin("token create")
+        with self.tx() as conn:
+            return create_api_token(conn, self.principal.actor, name, role)
+
+    def list_api_tokens(self) -> list[dict[str, Any]]:
+        """The API tokens (name, role, created), never the tokens themselves."""
+        self._admin("token list")
+        with self.engine.connect() as conn:
+            return list_api_tokens(conn)
+
+    def revoke_api_token(self, name: str) -> None:
+        """Revoke an API token."""
+        self._admin("token revoke")
+        with self.tx() as conn:
+            revoke_api_token(conn, self.principal.actor, name)
+
+    def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None,
+                  if_generation: int | None = None) -> dict[str, Any]:
         """Set (int) or clear (None) limits of a tenant, globally or within one pool. Keys: vms, vgpus,
-        framebuffer_mib, vcpus, memory_mib, profile:NAME."""
+        framebuffer_mib, vcpus, memory_mib, profile:NAME. PreconditionFailed, nothing changed, when
+        `if_generation` is given and the tenant (its usage or limits) has changed since."""
         self._admin("quota set")
         for key in limits:
             if key.startswith("profile:") and key[8:] not in self.catalog.profile_names():
@@ -392,6 +387,7 @@ class Controller:
                                    reasons=[{"field": "profile", "value": key[8:]}])
         with self.tx() as conn:
             t = self._tenant_row(conn, tenant)
+            check_generation(t, if_generation, "tenant", tenant)
             if pool is not None:
                 self._pool_row(conn, pool)
             changes = set_limits(conn, t.id, pool or "*", limits)
@@ -752,7 +748,7 @@ class Controller:
                         for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
         return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
                       req.memory_mib, delta["framebuffer_mib"], devices,
-                      simulated=page.simulated.get(chosen.host_id, False))
+                      simulated=page.simulated.get(chosen.host_id, False), generation=1)
 
     @staticmethod
     def _backing(kind: str, host_backing: str) -> str:
@@ -799,7 +795,7 @@ class Controller:
                                    d.kind, d.start, d.size, d.uuid, d.backing, d.state) for d in devs)
         return VmInfo(vm.id, vm.name, vm.tenant_name, host.name if host else None, pool, vm.state, vm.vcpus,
                       vm.memory_mib, vm.framebuffer_mib, devices, vm.error, vm.domain_uuid,
-                      bool(host and host.driver == "simulated"))
+                      bool(host and host.driver == "simulated"), vm.generation)
 
     def get_vm(self, ref: str) -> VmInfo:
         """One VM by id, name, or TENANT/NAME (a tenant caller sees only its own)."""
@@ -817,27 +813,28 @@ class Controller:
                 q = q.where(VM.c.tenant_id == self.principal.tenant_id)
             return [self._vm_info(conn, vm) for vm in conn.execute(q).all()]
 
-    def release_vm(self, ref: str) -> None:
-        """Delete a VM: its domain, then its devices, then its claim and quota charge."""
+    def release_vm(self, ref: str, if_generation: int | None = None) -> None:
+        """Delete a VM: its domain, then its devices, then its claim and quota charge (PreconditionFailed,
+        nothing changed, when `if_generation` is given and the VM has changed since)."""
         from vgpu_ctl.service.provision import release_vm
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
-        release_vm(self, vm.id)
+        release_vm(self, vm.id, generation=if_generation)
 
-    def stop_vm(self, ref: str, force: bool = False) -> VmInfo:
-        """Shut down a running VM (its devices stay claimed)."""
+    def stop_vm(self, ref: str, force: bool = False, if_generation: int | None = None) -> VmInfo:
+        """Shut down a running VM (its devices stay claimed); PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
-        set_power(self, vm.id, on=False, force=force)
+        set_power(self, vm.id, on=False, force=force, generation=if_generation)
         return self.get_vm(vm.id)
 
-    def start_vm(self, ref: str) -> VmInfo:
-        """Start a stopped VM."""
+    def start_vm(self, ref: str, if_generation: int | None = None) -> VmInfo:
+        """Start a stopped VM; PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
-        set_power(self, vm.id, on=True)
+        set_power(self, vm.id, on=True, generation=if_generation)
         return self.get_vm(vm.id)
 
     def vm_xml(self, ref: str) -> str:
@@ -873,4 +870,4 @@ class Controller:
         return reconcile(self, fix=fix, progress=progress, confirm_undefine=confirm_undefine)
 
 
-__all__ = ["BASE_RESOURCES", "Controller", "Principal"]
+__all__ = ["BASE_RESOURCES", "Controller", "Principal", "hash_token"]

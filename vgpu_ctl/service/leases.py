@@ -17,7 +17,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.vm_state import check_move
-from vgpu_ctl.errors import Conflict
+from vgpu_ctl.errors import Conflict, PreconditionFailed
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import utcnow
 
@@ -68,14 +68,16 @@ def is_held(holder: str | None, expires: datetime | None, now: datetime | None =
 
 
 def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_state: str | None = None,
-         what: str = "change") -> Any | None:
+         what: str = "change", generation: int | None = None) -> Any | None:
     """Take the VM's lease for `holder` (inside the caller's transaction) if the VM is in one of `states` and
     no live process holds it, moving it to `to_state` if given; the VM row as it was, or None when the VM is
-    gone or in another state. Conflict when another live process holds it. A compare-and-set on the lease as
-    read, so two callers never both take it."""
+    gone or in another state. Conflict when another live process holds it; PreconditionFailed when
+    `generation` is given and the VM is at another. A compare-and-set on the lease as read, so two callers
+    never both take it."""
     if to_state is not None:
         check_move(states, to_state)
     vm = conn.execute(select(VM).where(VM.c.id == vm_id)).first()
+    check_generation(vm, generation, "VM", vm_id)
     if vm is None or vm.state not in states:
         return None
     if vm.lease_holder not in (None, holder) and is_held(vm.lease_holder, vm.lease_expires):
@@ -91,6 +93,15 @@ def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_
         raise Conflict(f"VM {vm.name!r} changed while taking it to {what}; try again",
                        reasons=[{"vm": vm.name, "state": vm.state}])
     return vm
+
+
+def check_generation(row: Any | None, generation: int | None, kind: str, ref: str) -> None:
+    """PreconditionFailed when `generation` is given and the row (a VM's or a tenant's) is at another one."""
+    if generation is not None and row is not None and row.generation != generation:
+        raise PreconditionFailed(f"{kind} {ref!r} changed since it was read (generation {row.generation}, "
+                                 f"not {generation}); read it again and retry",
+                                 reasons=[{"field": "generation", "value": generation,
+                                           "current": row.generation}])
 
 
 def advance(conn: Connection, vm_id: str, holder: str, from_states: Collection[str], to_state: str,

@@ -18,7 +18,7 @@ from vgpu_ctl.errors import Conflict, HostError, NotFound, VgpuCtlError
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDriver
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.leases import Renewal, advance, drop, new_holder, take
+from vgpu_ctl.service.leases import Renewal, advance, check_generation, drop, new_holder, take
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import utcnow
 
@@ -235,12 +235,13 @@ def undo(ctl: Controller, vm_id: str, error: str, holder: str) -> None:
                    tenant=_tenant_name(conn, vm), params={"name": vm.name})
 
 
-def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
+def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generation: int | None = None) -> None:
     """Delete a VM: take its lease and persist 'releasing', remove domain and devices, then free claim and
-    quota, exactly once. Conflict while another live process works on the VM; NotFound once it is gone."""
+    quota, exactly once. Conflict while another live process works on the VM; NotFound once it is gone;
+    PreconditionFailed when `generation` is given and the VM is at another."""
     holder = holder or new_holder()
     with ctl.tx() as conn:
-        vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state=VmState.RELEASING, what="delete")
+        vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state=VmState.RELEASING, what="delete", generation=generation)
         if vm is None:  # failed (it holds nothing), or deleted meanwhile
             gone = conn.execute(select(VM.c.name, VM.c.tenant_id).where(VM.c.id == vm_id)).first()
             failed = VM.delete().where(VM.c.id == vm_id, VM.c.state == VmState.FAILED.value)
@@ -270,10 +271,12 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
                         "the VM stays 'releasing' and `vgpuctl reconcile --fix` or a new delete finishes it")
 
 
-def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> None:
-    """Start or stop a VM's domain and record the state."""
+def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False, generation: int | None = None) -> None:
+    """Start or stop a VM's domain and record the state (PreconditionFailed when `generation` is given and
+    the VM is at another)."""
     with ctl.engine.connect() as conn:
         vm, host, _ = _load(ctl, conn, vm_id)
+    check_generation(vm, generation, "VM", vm.name)
     want_from = (VmState.STOPPED,) if on else (VmState.RUNNING,)
     if vm.state not in want_from:
         raise Conflict(f"VM {vm.name!r} is {vm.state}; it must be {' or '.join(want_from)} to "
@@ -284,7 +287,8 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False) -> Non
     else:
         driver.stop_domain(domain_name(vm), force=force)
     with ctl.tx() as conn:
-        changed = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, VM.c.lease_holder.is_(None))
+        changed = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, VM.c.lease_holder.is_(None),
+                                                VM.c.generation == vm.generation)
                                .values(state=(VmState.RUNNING if on else VmState.STOPPED).value, updated_at=utcnow()))
         if changed.rowcount != 1:  # deleted or taken over meanwhile: its state is the other operation's
             raise Conflict(f"VM {vm.name!r} changed while it was being {'started' if on else 'stopped'}",

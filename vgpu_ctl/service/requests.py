@@ -103,6 +103,7 @@ class VmInfo:
     error: str | None = None
     domain_uuid: str | None = None
     simulated: bool = False
+    generation: int = 0  # changes on every change of the VM (its ETag)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

@@ -111,6 +111,7 @@ class Tenant(SQLModel, table=True):
     vcpus_limit: int | None = Field(default=None, sa_type=BigInteger)
     memory_mib_limit: int | None = Field(default=None, sa_type=BigInteger)
     has_scoped_limits: bool = False
+    generation: int = Field(default=1, sa_type=BigInteger)  # bumped by a trigger on every change (ETag)
 
 
 class ScopedQuota(SQLModel, table=True):
@@ -163,6 +164,7 @@ class Vm(SQLModel, table=True):
     lease_expires: datetime | None = None
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
+    generation: int = Field(default=1, sa_type=BigInteger)  # bumped by a trigger on every change (ETag)
 
 
 class Device(SQLModel, table=True):
@@ -226,3 +228,80 @@ class GpuTypeId(SQLModel, table=True):
     profile: str
     type_id: str
     seen_at: datetime = Field(default_factory=utcnow)
+
+
+class ApiToken(SQLModel, table=True):
+    """A token the admin issued for a role over the API: `admin` (everything) or `reader` (every read, metrics,
+    no change). Only its hash is stored."""
+
+    __tablename__ = "api_token"
+    __table_args__ = (CheckConstraint("role IN ('admin', 'reader')", name="api_token_role_known"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(unique=True)
+    role: str
+    token_hash: str = Field(unique=True)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Operation(SQLModel, table=True):
+    """Long work a caller asked for (create or delete a VM), run by a server's workers: its state, who asked,
+    what they asked, the result or error, and the lease of the worker running it (renewed while it works; an
+    operation whose lease ran out is taken over by the leader)."""
+
+    __table_args__ = (
+        CheckConstraint("state IN ('pending', 'running', 'succeeded', 'failed')", name="operation_state_known"),
+        CheckConstraint("kind IN ('vm.create', 'vm.delete')", name="operation_kind_known"),
+        Index("operation_unfinished", "state", "lease_expires"),
+    )
+
+    id: str = Field(primary_key=True)
+    kind: str
+    state: str = "pending"
+    actor: str
+    role: str  # of the principal who asked: admin, reader or tenant
+    tenant_id: int | None = Field(default=None, foreign_key="tenant.id", ondelete="CASCADE")
+    vm_id: str | None = None  # no foreign key: the operation outlives the VM it deleted
+    request: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    result: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    error: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    lease_holder: str | None = None
+    lease_expires: datetime | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+
+
+class IdempotentRequest(SQLModel, table=True):
+    """A POST made with an `Idempotency-Key`: per caller (`scope`) and key, a fingerprint of the request, and
+    once answered the response to replay to a retry. Expires at `expires_at`."""
+
+    __tablename__ = "idempotent_request"
+    __table_args__ = (
+        UniqueConstraint("scope", "key", name="idempotent_request_unique"),
+        CheckConstraint("state IN ('in-flight', 'done')", name="idempotent_request_state_known"),
+        Index("idempotent_request_expiry", "expires_at"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    scope: str
+    key: str
+    fingerprint: str
+    state: str = "in-flight"
+    status_code: int | None = None
+    response: dict[str, Any] | list[Any] | None = Field(default=None, sa_column=Column(JSON))
+    headers: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+    expires_at: datetime
+
+
+class ServerLease(SQLModel, table=True):
+    """Who leads the servers of this store (runs the loops: operations left behind, reconcile), until when;
+    written by the leader while it holds the election lock, read by every replica's /readyz."""
+
+    __tablename__ = "server_lease"
+
+    name: str = Field(primary_key=True)
+    holder: str
+    address: str = ""
+    expires_at: datetime
