@@ -11,12 +11,12 @@ from urllib.parse import urlsplit
 import typer
 
 from vgpu_ctl.cli.common import JSON_OPT, OUTPUT_OPT, Output, console, emit, handled, machine, out_format, run
-from vgpu_ctl.store.engine import state_dir
 
 
 def side_for(uri: str, name: str | None) -> Any:
     """The host side (agent) of a host given by URI, as `host discover` and `host check` reach it."""
     from vgpu_ctl.hosts.hostside import open_host_side
+    from vgpu_ctl.store.engine import state_dir
     host = SimpleNamespace(name=name or urlsplit(uri).hostname or "localhost", uri=uri, vgpu_backing="mdev")
     return open_host_side(host, state_dir())
 
@@ -40,6 +40,7 @@ def host_check(target: str = typer.Argument(..., help="Host name in the store, o
     mdevctl. Exit 1 when a check fails."""
     from vgpu_ctl.hosts.hostside import open_host_side
     from vgpu_ctl.hosts.preflight import check_host
+    from vgpu_ctl.store.engine import state_dir
 
     fmt = out_format(as_json, output)
     if "://" in target:
