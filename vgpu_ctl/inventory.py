@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -273,8 +275,48 @@ def _field_name(loc: Sequence[int | str]) -> str:
     return out
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside: building a large inventory (a million small objects, none of them in
+    a cycle) otherwise sets off a full collection again and again, which tripled the time of a 100k-GPU file."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, when built with it
+
+
+class _Lines:
+    """Line numbers of an inventory file's entries, for error messages only: the file is composed into YAML
+    nodes (a second parse) the first time a line is asked for, never when the file is fine."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._root: yaml.Node | None = None
+        self._composed = False
+
+    def of(self, loc: Sequence[int | str]) -> int | None:
+        """The line (1-based) of the entry at `loc` (keys and list indexes from the top), or of its nearest
+        parent that exists."""
+        if not self._composed:
+            self._root = yaml.compose(self._text, Loader=_LOADER)
+            self._composed = True
+        return _line_for(self._root, loc)
+
+
 def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
-    """Read and check an inventory file; InventoryError naming file, line and field on the first problem."""
+    """Read and check an inventory file; InventoryError naming file, line and field on the first problem.
+    The file is parsed once (with libyaml when PyYAML has it); line numbers are worked out only for an error."""
+    with paused_gc():
+        return _parse_inventory(path, catalog)
+
+
+def _parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -287,8 +329,7 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
                              f"{exc.start})", reasons=[{"file": str(path), "line": bad_line, "error": "not UTF-8"}]
                              ) from None
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_LOADER) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
@@ -298,6 +339,7 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
                              reasons=[{"file": str(path), "error": "nested too deeply"}]) from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
+    lines = _Lines(text)
     try:
         inv = InventoryDecl.model_validate(data)
     except ValidationError as exc:
@@ -305,7 +347,7 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
         loc: list[int | str] = [k for k in err["loc"] if not (isinstance(k, str) and k.startswith("function-"))]
         if err["type"] == "duplicate_pci":  # point at the second GPU with the address, not at its host
             loc += ["gpus", err["ctx"]["gpu_index"], "pci"]
-        line = _line_for(root, loc)
+        line = lines.of(loc)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = f"unknown key {loc[-1]!r}"
@@ -315,13 +357,13 @@ def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
             f"{path}:{line}: field {_field_name(loc)}: {msg}{shown}",
             reasons=[{"file": str(path), "line": line, "field": _field_name(loc), "error": msg}],
         ) from None
-    _check_semantics(path, root, inv, catalog)
+    _check_semantics(path, lines, inv, catalog)
     return inv
 
 
-def _check_semantics(path: Path, root: yaml.Node | None, inv: InventoryDecl, catalog: Catalog) -> None:
+def _check_semantics(path: Path, lines: _Lines, inv: InventoryDecl, catalog: Catalog) -> None:
     def fail(loc: list[int | str], msg: str) -> None:
-        line = _line_for(root, loc)
+        line = lines.of(loc)
         raise InventoryError(f"{path}:{line}: field {_field_name(loc)}: {msg}",
                              reasons=[{"file": str(path), "line": line, "field": _field_name(loc), "error": msg}])
 

@@ -6,7 +6,7 @@ with `prune`; without it, each such object is reported as a `keep` change and le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from sqlalchemy import Table, select
@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import encode_layout, fit_mask, geometry_for, parse_mig_layout
 from vgpu_ctl.errors import Conflict
-from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
+from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl, paused_gc
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, occupancy_of
 from vgpu_ctl.store.models import Pool, Vm
 
@@ -87,7 +87,17 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
     """Add and update the declared pools, hosts and GPUs; with `prune`, also remove those the declaration leaves
     out (else they are kept and reported as `keep`). The changes, in order. Conflict (naming the VMs) if a host or
     GPU that holds devices would be removed or re-carved, or if `expected_removals` is given and a removal is
-    not in it (the store changed since the preview that was confirmed)."""
+    not in it (the store changed since the preview that was confirmed).
+
+    The store is read once (every pool, host and GPU) and new hosts and GPUs are written with one multi-row
+    statement per table, so a fleet of 100k GPUs is a handful of round trips; an unchanged declaration writes
+    nothing."""
+    with paused_gc():  # a 100k-GPU fleet is a million small objects: no collection is worth it meanwhile
+        return _apply(conn, catalog, inv, progress, prune, expected_removals)
+
+
+def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Callable[[int, int, str], None] | None,
+           prune: bool, expected_removals: Collection[tuple[str, str]] | None) -> list[Change]:
     changes: list[Change] = []
     pools = {r.name: r for r in conn.execute(select(POOL)).all()}
     for p in inv.pools:
@@ -101,23 +111,35 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
     pool_ids = {r.name: r.id for r in conn.execute(select(POOL.c.name, POOL.c.id)).all()}
 
     hosts = {r.name: r for r in conn.execute(select(HOST)).all()}
+    gpus_of: dict[int, dict[str, Any]] = {}
+    for r in conn.execute(select(GPU)).all():
+        gpus_of.setdefault(r.host_id, {})[r.pci_address] = r
     declared_hosts = {h.name for h in inv.hosts}
+    gpus = _GpuWriter(conn, catalog, pool_ids)
+    new_hosts: list[dict[str, Any]] = []
     for i, h in enumerate(inv.hosts):
         if progress is not None:
             progress(i, len(inv.hosts), h.name)
         fields = _host_fields(h, new=h.name not in hosts)
         if h.name not in hosts:
-            inserted = conn.execute(HOST.insert().values(name=h.name, **fields)).inserted_primary_key
-            assert inserted is not None
-            host_id = inserted[0]
+            new_hosts.append({"name": h.name, **fields})
             changes.append({"action": "add", "kind": "host", "name": h.name,
                             "fields": {k: v for k, v in fields.items() if k != "labels" or v}})
+            changes.extend(gpus.plan(h, None, {}, prune))
         else:
             host_id = hosts[h.name].id
             if d := _diff(hosts[h.name]._mapping, fields):
                 conn.execute(HOST.update().where(HOST.c.id == host_id).values(**fields))
                 changes.append({"action": "update", "kind": "host", "name": h.name, "fields": d})
-        changes.extend(_apply_gpus(conn, catalog, h, host_id, pool_ids, prune))
+            changes.extend(gpus.plan(h, host_id, gpus_of.get(host_id, {}), prune))
+    if new_hosts:
+        for chunk in _chunks(new_hosts):
+            conn.execute(HOST.insert(), chunk)
+        names = {h["name"] for h in new_hosts}
+        new_ids = {r.name: r.id for r in conn.execute(select(HOST.c.name, HOST.c.id)) if r.name in names}
+    else:
+        new_ids = {}
+    gpus.write(new_ids)
     for name, row in hosts.items():
         if name in declared_hosts:
             continue
@@ -157,52 +179,89 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
     return changes
 
 
-def _apply_gpus(conn: Connection, catalog: Catalog, h: HostDecl, host_id: int,
-                pool_ids: Mapping[str, int], prune: bool) -> list[Change]:
-    changes: list[Change] = []
-    pool_names = {v: k for k, v in pool_ids.items()}
-    existing = {r.pci_address: r for r in conn.execute(select(GPU).where(GPU.c.host_id == host_id)).all()}
-    for g in h.gpus:
-        fields = _gpu_fields(catalog, g, pool_ids)
-        label = f"{h.name}/{g.pci}"
-        row = existing.get(g.pci)
-        if row is None:
-            axis = geometry_for(catalog, g.model, g.mode).axis
-            conn.execute(GPU.insert().values(host_id=host_id, pci_address=g.pci, axis_units=axis,
-                                             free_units=axis, fits=_fits(catalog, {**fields, "layout": ""}),
-                                             **fields))
-            shown = {k: v for k, v in fields.items() if v not in (None, "")}
-            changes.append({"action": "add", "kind": "gpu", "name": label,
-                            "fields": _named(shown, pool_names)})
-            continue
-        d = _diff(row._mapping, fields)
-        if not d:
-            continue
-        recarve = {"model", "mode", "mig_layout"} & d.keys() or (
-            "pinned_type" in d and row.active_type not in (None, fields["pinned_type"]))
-        if recarve and row.device_count:
-            vms = _vms_on(conn, [row.id])
-            raise Conflict(f"GPU {label} holds devices of VMs {', '.join(vms)}; it can't change "
-                           f"{', '.join(sorted(recarve if isinstance(recarve, set) else {'pinned_type'}))} "
-                           "until they are deleted", reasons=[{"gpu": label, "vms": vms}])
-        values = dict(fields)
-        if {"model", "mode"} & d.keys():
-            axis = geometry_for(catalog, g.model, g.mode).axis
-            values.update(axis_units=axis, free_units=axis, layout="", active_type=None)
-        values["fits"] = _fits(catalog, {**row._mapping, **values})
-        conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
-        changes.append({"action": "update", "kind": "gpu", "name": label, "fields": _named(d, pool_names)})
-    declared = {g.pci for g in h.gpus}
-    for pci, row in existing.items():
-        if pci in declared:
-            continue
-        if not prune:
-            changes.append(_keep("gpu", f"{h.name}/{pci}"))
-            continue
-        if row.device_count:
-            vms = _vms_on(conn, [row.id])
-            raise Conflict(f"GPU {h.name}/{pci} is not in the file but holds devices of VMs {', '.join(vms)}",
-                           reasons=[{"gpu": f"{h.name}/{pci}", "vms": vms}])
-        conn.execute(GPU.delete().where(GPU.c.id == row.id))
-        changes.append({"action": "remove", "kind": "gpu", "name": f"{h.name}/{pci}"})
-    return changes
+CHUNK = 5000  # rows per multi-row INSERT statement
+
+
+def _chunks(rows: list[dict[str, Any]], size: int = CHUNK) -> Iterator[list[dict[str, Any]]]:
+    for i in range(0, len(rows), size):
+        yield rows[i:i + size]
+
+
+class _GpuWriter:
+    """The GPUs of each declared host compared with the store's: changes reported at once, in the order of the
+    file; updates and removals written at once (they are few), new GPUs gathered and inserted together by
+    `write` once their hosts have ids. A GPU's declared columns, axis and fit mask are worked out once per
+    distinct declaration (a fleet repeats a few kinds of GPU many times)."""
+
+    def __init__(self, conn: Connection, catalog: Catalog, pool_ids: Mapping[str, int]) -> None:
+        self.conn = conn
+        self.catalog = catalog
+        self.pool_ids = pool_ids
+        self.pool_names = {v: k for k, v in pool_ids.items()}
+        self._fields: dict[tuple[Any, ...], tuple[dict[str, Any], int, int]] = {}
+        self._new: list[tuple[str | int, dict[str, Any]]] = []  # (host id, or name while it has none; row)
+
+    def _declared(self, g: GpuDecl) -> tuple[dict[str, Any], int, int]:
+        """(columns the declaration sets, axis units, fit mask of the GPU empty) for a GPU declaration."""
+        key = (g.model, g.mode, g.pool, g.vgpu_type, tuple(g.mig_layout) if g.mig_layout is not None else None)
+        found = self._fields.get(key)
+        if found is None:
+            fields = _gpu_fields(self.catalog, g, self.pool_ids)
+            axis = geometry_for(self.catalog, g.model, g.mode).axis
+            found = self._fields[key] = (fields, axis, _fits(self.catalog, {**fields, "layout": ""}))
+        return found
+
+    def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, Any], prune: bool) -> list[Change]:
+        """The changes to host `h`'s GPUs (`existing`: the store's, by PCI address; `host_id` None for a host
+        being added)."""
+        changes: list[Change] = []
+        for g in h.gpus:
+            fields, axis, fits = self._declared(g)
+            label = f"{h.name}/{g.pci}"
+            row = existing.get(g.pci)
+            if row is None:
+                self._new.append((h.name if host_id is None else host_id,
+                                  {"pci_address": g.pci, "axis_units": axis, "free_units": axis, "fits": fits,
+                                   **fields}))
+                shown = {k: v for k, v in fields.items() if v not in (None, "")}
+                changes.append({"action": "add", "kind": "gpu", "name": label,
+                                "fields": _named(shown, self.pool_names)})
+                continue
+            d = _diff(row._mapping, fields)
+            if not d:
+                continue
+            recarve = {"model", "mode", "mig_layout"} & d.keys() or (
+                "pinned_type" in d and row.active_type not in (None, fields["pinned_type"]))
+            if recarve and row.device_count:
+                vms = _vms_on(self.conn, [row.id])
+                raise Conflict(f"GPU {label} holds devices of VMs {', '.join(vms)}; it can't change "
+                               f"{', '.join(sorted(recarve if isinstance(recarve, set) else {'pinned_type'}))} "
+                               "until they are deleted", reasons=[{"gpu": label, "vms": vms}])
+            values = dict(fields)
+            if {"model", "mode"} & d.keys():
+                values.update(axis_units=axis, free_units=axis, layout="", active_type=None)
+            values["fits"] = _fits(self.catalog, {**row._mapping, **values})
+            self.conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
+            changes.append({"action": "update", "kind": "gpu", "name": label,
+                            "fields": _named(d, self.pool_names)})
+        declared = {g.pci for g in h.gpus}
+        for pci, row in existing.items():
+            if pci in declared:
+                continue
+            if not prune:
+                changes.append(_keep("gpu", f"{h.name}/{pci}"))
+                continue
+            if row.device_count:
+                vms = _vms_on(self.conn, [row.id])
+                raise Conflict(f"GPU {h.name}/{pci} is not in the file but holds devices of VMs {', '.join(vms)}",
+                               reasons=[{"gpu": f"{h.name}/{pci}", "vms": vms}])
+            self.conn.execute(GPU.delete().where(GPU.c.id == row.id))
+            changes.append({"action": "remove", "kind": "gpu", "name": f"{h.name}/{pci}"})
+        return changes
+
+    def write(self, new_host_ids: Mapping[str, int]) -> None:
+        """Insert the new GPUs, in multi-row statements (`new_host_ids`: the ids of the hosts just added)."""
+        rows = [{"host_id": new_host_ids[h] if isinstance(h, str) else h, **row} for h, row in self._new]
+        for chunk in _chunks(rows):
+            self.conn.execute(GPU.insert(), chunk)
+        self._new.clear()
