@@ -393,7 +393,7 @@ def test_status_watch_redraws_until_interrupted(cli: Cli, monkeypatch: pytest.Mo
     calls.clear()
     out = cli("status", "--watch", "1", "-o", "json")
     docs = [json.loads(d) for d in re.split(r"\n(?=\{)", out.stdout.strip())]
-    assert len(docs) == 2 and all(set(d) == {"gpus", "pools", "tenants"} for d in docs)
+    assert len(docs) == 2 and all(set(d) == {"summary", "pools", "tenants"} for d in docs)
     assert cli("status", "--watch", "0").exit_code == 2
 
 

@@ -52,9 +52,9 @@ def test_equal_size_shows_type_and_count() -> None:
 
 
 def test_status_json_rows_pools_and_tenants(store: Store) -> None:
-    out = cli_json(store, "status")
-    assert set(out) == {"gpus", "pools", "tenants"}
-    assert len(out["gpus"]) == 9
+    out = cli_json(store, "status", "--gpus")
+    assert set(out) == {"summary", "gpus", "page", "pools", "tenants"}
+    assert len(out["gpus"]) == 9 and out["page"] == {"offset": 0, "limit": 100, "total": 9}
     a100 = next(g for g in out["gpus"] if g["pci"] == "0000:81:00.0")
     assert a100["occupancy"] == "A100D-10C ×1/8" and a100["pool"] == "inference" and a100["devices"] == 1
     mig = next(g for g in out["gpus"] if g["mode"] == "mig" and g["devices"])
@@ -88,9 +88,9 @@ def test_pool_fits_are_sums_of_capacities_of_active_hosts(store: Store) -> None:
 
 
 def test_status_filters_and_unknown_names(store: Store) -> None:
-    out = cli_json(store, "status", "--host", "kvm-l40s-01")
+    out = cli_json(store, "status", "--host", "kvm-l40s-01", "--gpus")
     assert {g["host"] for g in out["gpus"]} == {"kvm-l40s-01"}
-    out = cli_json(store, "status", "--pool", "workstations")
+    out = cli_json(store, "status", "--pool", "workstations", "--gpus")
     assert {g["pool"] for g in out["gpus"]} == {"workstations"} and [p["name"] for p in out["pools"]] == [
         "workstations"]
     assert cli(store, "status", "--pool", "nope").exit_code == 4
@@ -98,15 +98,15 @@ def test_status_filters_and_unknown_names(store: Store) -> None:
 
 
 def test_status_text_is_plain_when_piped(store: Store) -> None:
-    res = cli(store, "status")
+    res = cli(store, "status", "--gpus")
     assert res.exit_code == 0, res.output
     assert "\x1b[" not in res.output
     assert "kvm-h100-01" in res.output and "inference" in res.output and "acme" in res.output
 
 
 def test_tenant_status_shows_no_gpus_and_only_itself(store: Store) -> None:
-    out = cli_json(store, "status", token=store.tokens["acme"])
-    assert out["gpus"] == [] and [t["name"] for t in out["tenants"]] == ["acme"]
+    out = cli_json(store, "status", "--gpus", token=store.tokens["acme"])
+    assert out["gpus"] == [] and out["summary"] is None and [t["name"] for t in out["tenants"]] == ["acme"]
     assert out["pools"]
 
 

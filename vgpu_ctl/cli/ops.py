@@ -73,24 +73,53 @@ def _pause(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
+def _summary_table(summary: dict[str, Any], hint: bool) -> Table:
+    """The fleet at a glance: GPUs per mode, how many hold devices, devices, free units; hosts by state (and,
+    with `hint`, how to see the GPUs one by one)."""
+    states = ", ".join(f"{n:,} {state}" for state, n in summary["hosts_by_state"].items())
+    caption = f"{summary['hosts']:,} hosts ({states or 'none'})" + ("; per-GPU rows: --gpus" if hint else "")
+    table = Table(Column("GPUs by mode", no_wrap=True), Column("GPUs", justify="right"),
+                  Column("in use", justify="right"), Column("devices", justify="right"),
+                  Column("free units", justify="right"), title="Fleet", box=box.SIMPLE_HEAD,
+                  caption=caption,
+                  caption_justify="left")
+    for name, m in [*summary["by_mode"].items(), ("all", summary)]:
+        share = f" ({m['free_units'] / m['axis_units']:.0%})" if m["axis_units"] else ""
+        table.add_row(name, f"{m['gpus']:,}", f"{m['in_use']:,}", f"{m['devices']:,}",
+                      f"{m['free_units']:,}/{m['axis_units']:,}{share}")
+    return table
+
+
+def _gpu_table(out: dict[str, Any], fmt: Output) -> Table:
     wide = fmt is Output.wide
+    page = out["page"]
+    first, shown = page["offset"] + 1, len(out["gpus"])
+    more = page["offset"] + shown < page["total"]
+    caption = f"GPUs {first:,}-{first + shown - 1:,} of {page['total']:,}" + (
+        f"; next page: --offset {page['offset'] + shown}" if more else "")
+    table = Table(Column("GPU", no_wrap=True), Column("model", overflow="fold"),
+                  Column("mode", overflow="fold"), Column("pool", overflow="fold"),
+                  Column("occupancy", no_wrap=True), Column("free", no_wrap=True, justify="right"),
+                  title="GPUs", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+                  caption=caption, caption_justify="left")
+    last = None
+    for g in out["gpus"]:
+        pci = g["pci"] if wide else g["pci"].removeprefix("0000:")
+        host = g["host"] if g["host_state"] == "active" else f"{g['host']} [yellow]({g['host_state']})[/]"
+        name = f"{host}/{pci}" if wide or g["host"] != last else f"{' ' * (len(g['host']) - 1)}…/{pci}"
+        last = g["host"]
+        mode = g["mode"] if wide else g["mode"].removeprefix("vgpu-")
+        table.add_row(name, g["model"], mode, g["pool"] or "-", _bar(g["occupancy"]),
+                      f"{g['free_units']}/{g['axis_units']}")
+    return table
+
+
+def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
     tables = []
-    if out["gpus"]:
-        table = Table(Column("GPU", no_wrap=True), Column("model", overflow="fold"),
-                      Column("mode", overflow="fold"), Column("pool", overflow="fold"),
-                      Column("occupancy", no_wrap=True), Column("free", no_wrap=True, justify="right"),
-                      title="GPUs", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-        last = None
-        for g in out["gpus"]:
-            pci = g["pci"] if wide else g["pci"].removeprefix("0000:")
-            host = g["host"] if g["host_state"] == "active" else f"{g['host']} [yellow]({g['host_state']})[/]"
-            name = f"{host}/{pci}" if wide or g["host"] != last else f"{' ' * (len(g['host']) - 1)}…/{pci}"
-            last = g["host"]
-            mode = g["mode"] if wide else g["mode"].removeprefix("vgpu-")
-            table.add_row(name, g["model"], mode, g["pool"] or "-", _bar(g["occupancy"]),
-                          f"{g['free_units']}/{g['axis_units']}")
-        tables.append(table)
+    if out.get("summary"):
+        tables.append(_summary_table(out["summary"], hint="gpus" not in out))
+    if out.get("gpus"):
+        tables.append(_gpu_table(out, fmt))
     table = Table("pool", "GPUs", "still fits now (per profile, alone)", title="Pools", box=box.SIMPLE_HEAD)
     for p in out["pools"]:
         table.add_row(p["name"], str(p["gpus"]), _fits_text(p["fits"]))
@@ -104,14 +133,32 @@ def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
 
 def status(pool: str = typer.Option(None, help="Only this pool."),
            host: str = typer.Option(None, help="Only this host's GPUs."),
+           gpus: bool = typer.Option(False, "--gpus", help="Also list the GPUs, one row each, a page at a time "
+                                     "(see --limit and --offset)."),
+           limit: int = typer.Option(None, "--limit", help="With --gpus: at most this many GPU rows (default "
+                                     "100; implies --gpus)."),
+           offset: int = typer.Option(0, "--offset", help="With --gpus: skip this many GPU rows first (implies "
+                                      "--gpus)."),
            watch: float = typer.Option(None, "--watch", "-w", min=0.5, max=3600,
                                        help="Redraw every SECONDS until Ctrl-C (JSON/YAML: one document each time)."),
            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
-    """What occupies each GPU, how many more of each profile fit per pool, and tenants' usage."""
-    from vgpu_ctl.ops.status import fleet_status
+    """The fleet in summary (GPUs by mode, hosts by state), how many more of each profile fit per pool, and
+    tenants' usage; with --gpus, what occupies each GPU, a page at a time."""
+    from vgpu_ctl.inventory import check_int
+    from vgpu_ctl.ops.status import DEFAULT_PAGE, MAX_PAGE, fleet_status
     fmt = out_format(as_json, output)
+    rows = gpus or limit is not None or offset != 0
+    with handled(fmt):  # a bad page is refused before the store is opened
+        if limit is not None:
+            check_int("limit", limit, 1, MAX_PAGE)
+        check_int("offset", offset, 0)
+    page_size = (DEFAULT_PAGE if limit is None else limit) if rows else None
+
+    def read(c: Any) -> dict[str, Any]:
+        return fleet_status(c, pool=pool, host=host, gpus=rows, limit=page_size, offset=offset)
+
     if watch is None:
-        out = run(fmt, lambda c: fleet_status(c, pool=pool, host=host))
+        out = run(fmt, read)
         if machine(fmt):
             emit(fmt, out)
             return
@@ -124,7 +171,7 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
         if machine(fmt) or not console.is_terminal:
             while True:
                 with handled(fmt):
-                    out = fleet_status(ctl, pool=pool, host=host)
+                    out = read(ctl)
                 if machine(fmt):
                     emit(fmt, out)
                 else:
@@ -135,7 +182,7 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 with handled(fmt):
-                    out = fleet_status(ctl, pool=pool, host=host)
+                    out = read(ctl)
                 stamp = Text(f"every {watch:g}s, {datetime.now(UTC):%H:%M:%S} UTC (Ctrl-C to stop)", style="dim")
                 live.update(Group(stamp, *_status_tables(out, fmt)), refresh=True)
                 _pause(watch)
