@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Benchmark the admin commands at fleet scale, as an admin runs them: each one a `vgpuctl` process.
+
+For each fleet size (GPUs, 8 per host on simulated hosts; hosts rotate A100-80GB vgpu-equal (every fourth GPU
+pinned to A100D-10C) / H100-80GB mig (every fourth GPU with a declared MIG layout) / L40S vgpu-mixed, in the pools
+`ampere`, `hopper`, `ada`), in a fresh temporary folder (inventory file, SQLite store, simulated hosts' state):
+
+1. `vgpuctl init`, then `vgpuctl inventory apply FILE` (the first apply: every host and GPU added);
+   (text output, one line per change, as an admin sees it);
+2. `--vms N` VMs requested through the Python API and provisioned end to end on the simulated hosts (devices
+   carved, domains defined and started), so that status, doctor, metrics and reconcile have something to read;
+3. timed, each a fresh `vgpuctl` process, so start-up (imports, opening the store) counts: the same apply again
+   (nothing changed), `status` (the summary), `status --gpus --limit 100`, `doctor`, `metrics dump`,
+   `reconcile` (read-only: every simulated host listed and compared with the store).
+
+Start-up on its own: `vgpuctl --help` and `vgpuctl profiles list` (median of 5 runs each, no store).
+Targets (issue 12): apply of 100k GPUs < 30 s, every other command < 5 s at 100k GPUs, --help and profiles list
+< 0.3 s. Each command's exit status is checked (doctor and reconcile must find the fleet consistent).
+
+Usage: bench_admin.py [--sizes 10000,100000] [--vms 200] [--json] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+GPUS_PER_HOST = 8
+HOST_KINDS = (("A100-80GB", "vgpu-equal", "ampere"), ("H100-80GB", "mig", "hopper"), ("L40S", "vgpu-mixed", "ada"))
+PCI_BUSES = (0x17, 0x3B, 0x4C, 0x5D, 0x9A, 0xBB, 0xCA, 0xDB)
+MIG_LAYOUT = '["4g.40gb@0", "2g.20gb@4", "1g.10gb@6"]'
+APPLY_TARGET_S = 30.0
+COMMAND_TARGET_S = 5.0
+START_TARGET_S = 0.3
+# name, arguments after `vgpuctl --db URL`, target in seconds (at the largest size), exit statuses accepted
+TIMED: tuple[tuple[str, tuple[str, ...], float, tuple[int, ...]], ...] = (
+    ("re-apply (no changes)", ("inventory", "apply", "{file}"), COMMAND_TARGET_S, (0,)),
+    ("status", ("status",), COMMAND_TARGET_S, (0,)),
+    ("status --gpus --limit 100", ("status", "--gpus", "--limit", "100"), COMMAND_TARGET_S, (0,)),
+    ("doctor", ("doctor",), COMMAND_TARGET_S, (0,)),
+    ("metrics dump", ("metrics", "dump"), COMMAND_TARGET_S, (0,)),
+    ("reconcile", ("reconcile", "--json"), COMMAND_TARGET_S, (0,)),
+)
+
+
+def write_inventory(path: Path, n_gpus: int) -> int:
+    """An inventory of `n_gpus` GPUs (8 per simulated host, rotating models); the number of hosts."""
+    hosts = (n_gpus + GPUS_PER_HOST - 1) // GPUS_PER_HOST
+    out = ["pools:"]
+    for _, mode, pool in HOST_KINDS:
+        out.append(f"  - {{name: {pool}, policy: pack, description: \"{mode} GPUs\"}}")
+    out.append("hosts:")
+    left = n_gpus
+    for i in range(hosts):
+        model, mode, pool = HOST_KINDS[i % len(HOST_KINDS)]
+        name = f"kvm-{model.split('-')[0].lower()}-{i:06d}"
+        out += [f"  - name: {name}", f"    uri: \"simulated:///{name}\"", "    driver: simulated",
+                f"    labels: {{rack: r{i // 32}, zone: z{i % 3}}}", "    vcpus: 256", "    memory_mib: 2097152",
+                "    cpu_overcommit: 2.0", "    gpus:"]
+        for j in range(min(GPUS_PER_HOST, left)):
+            extra = ""
+            if mode == "vgpu-equal" and j % 4 == 3:
+                extra = ", vgpu_type: A100D-10C"
+            elif mode == "mig" and j % 4 == 3:
+                extra = f", mig_layout: {MIG_LAYOUT}"
+            out.append(f"      - {{pci: \"0000:{PCI_BUSES[j]:02x}:00.0\", model: {model}, mode: {mode}, "
+                       f"pool: {pool}{extra}}}")
+        left -= GPUS_PER_HOST
+    path.write_text("\n".join(out) + "\n")
+    return hosts
+
+
+def vgpuctl() -> list[str]:
+    """The command line that starts `vgpuctl` from this interpreter's environment."""
+    script = Path(sys.executable).parent / "vgpuctl"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "vgpu_ctl.cli.main"]
+
+
+def timed(args: Sequence[str], env: Mapping[str, str], ok: Sequence[int] = (0,)) -> tuple[float, str]:
+    """Run one command; (wall seconds, stdout). Raises when its exit status is not in `ok`."""
+    t0 = time.perf_counter()
+    res = subprocess.run(list(args), env=dict(env), capture_output=True, text=True, check=False)
+    took = time.perf_counter() - t0
+    if res.returncode not in ok:
+        raise RuntimeError(f"{' '.join(args)}: exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    return took, res.stdout
+
+
+def provision_vms(url: str, state: Path, n_vms: int) -> int:
+    """Request and provision `n_vms` VMs of a few profiles through the Python API; how many were placed."""
+    from vgpu_ctl import Controller, VgpuCtlError
+    profiles = [("A100D-10C", "ampere"), ("3g.40gb", "hopper"), ("L40S-12C", "ada"), ("A100D-20C", "ampere")]
+    placed = 0
+    with Controller(url, state_path=state) as ctl:
+        ctl.create_tenant("bench")
+        for i in range(n_vms):
+            profile, pool = profiles[i % len(profiles)]
+            try:
+                ctl.request_vm("bench", f"vm{i:05d}", [(profile, 1)], vcpus=4, memory_mib=16384, pool=pool)
+                placed += 1
+            except VgpuCtlError as exc:
+                print(f"  vm{i:05d}: {exc.message}", file=sys.stderr)
+    return placed
+
+
+def bench_size(n_gpus: int, n_vms: int, root: Path) -> dict[str, Any]:
+    """Every timed command at one fleet size; a row of results."""
+    work = root / f"gpus-{n_gpus}"
+    work.mkdir(parents=True)
+    inv = work / "fleet.yaml"
+    t0 = time.perf_counter()
+    hosts = write_inventory(inv, n_gpus)
+    gen_s = time.perf_counter() - t0
+    url = f"sqlite:///{work / 'store.db'}"
+    env = {**os.environ, "VGPU_CTL_STATE_DIR": str(work / "state"), "VGPU_CTL_DATABASE_URL": url,
+           "COLUMNS": "120"}
+    env.pop("VGPU_CTL_TOKEN", None)
+    cli = vgpuctl()
+    timed([*cli, "init"], env)
+    apply_s, out = timed([*cli, "inventory", "apply", str(inv)], env)  # as an admin sees it: a line a change
+    added = sum(1 for line in out.splitlines() if line.startswith("add "))
+    os.environ.update({"VGPU_CTL_STATE_DIR": env["VGPU_CTL_STATE_DIR"]})
+    placed = provision_vms(url, work / "state", n_vms)
+    row: dict[str, Any] = {"gpus": n_gpus, "hosts": hosts, "file_mib": inv.stat().st_size / 2**20,
+                           "generate_s": gen_s, "added": added, "vms": placed,
+                           "times": {"inventory apply": apply_s}}
+    for name, args, _target, ok in TIMED:
+        took, out = timed([*cli, *(a.format(file=inv) for a in args)], env, ok)
+        row["times"][name] = took
+        if name.startswith("re-apply"):
+            row["reapply_changes"] = "none" if out.strip() == "no changes" else "SOME"
+        if name == "reconcile":
+            row["reconcile_clean"] = json.loads(out)["clean"]
+    return row
+
+
+def startup(runs: int = 5) -> dict[str, float]:
+    """Median wall seconds of `vgpuctl --help` and `vgpuctl profiles list` (no store is opened)."""
+    cli = vgpuctl()
+    env = {**os.environ, "COLUMNS": "120"}
+    out = {}
+    for name, args in (("--help", ["--help"]), ("profiles list", ["profiles", "list"])):
+        timed([*cli, *args], env)  # warm the file cache
+        out[name] = statistics.median(timed([*cli, *args], env)[0] for _ in range(runs))
+    return out
+
+
+def target_of(command: str) -> float:
+    """The target of a command at 100k GPUs, in seconds."""
+    if command == "inventory apply":
+        return APPLY_TARGET_S
+    if command in ("--help", "profiles list"):
+        return START_TARGET_S
+    return COMMAND_TARGET_S
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """The results as a text table: one row per command, one column per fleet size, the target beside."""
+    rows = report["sizes"]
+    head = f"{'command':28}" + "".join(f"{r['gpus']:>10,} GPUs" for r in rows) + f"{'target':>12}  result"
+    lines = [head]
+    largest = rows[-1] if rows else None
+    for name in ["inventory apply", *(t[0] for t in TIMED)]:
+        target = target_of(name)
+        cells = "".join(f"{r['times'][name]:>13.2f} s" for r in rows)
+        verdict = ""
+        if largest is not None:
+            verdict = "PASS" if largest["times"][name] < target else "MISS"
+        lines.append(f"{name:28}{cells}{'< ' + format(target, 'g') + ' s':>12}  {verdict}")
+    for name, took in report["startup"].items():
+        target = target_of(name)
+        pad = " " * (15 * max(0, len(rows) - 1))
+        lines.append(f"{'vgpuctl ' + name:28}{pad}{took:>13.2f} s{'< ' + format(target, 'g') + ' s':>12}  "
+                     f"{'PASS' if took < target else 'MISS'}")
+    for r in rows:
+        lines.append(f"  {r['gpus']:,} GPUs: {r['hosts']:,} hosts, inventory {r['file_mib']:.1f} MiB, "
+                     f"{r['added']:,} objects added, re-apply changes: {r['reapply_changes']}, {r['vms']} VMs "
+                     f"provisioned, reconcile {'clean' if r['reconcile_clean'] else 'NOT clean'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print the table (or JSON); exit 1 when a target is missed."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--sizes", default="10000,100000", help="GPU counts, comma-separated")
+    ap.add_argument("--vms", type=int, default=200, help="VMs provisioned before the timed commands")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temp dir)")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-admin-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        report: dict[str, Any] = {"startup": startup(), "sizes": []}
+        for n in sizes:
+            print(f"... {n:,} GPUs", file=sys.stderr, flush=True)
+            report["sizes"].append(bench_size(n, args.vms, root))
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    largest = report["sizes"][-1] if report["sizes"] else {"times": {}}
+    missed = [n for n, t in [*largest["times"].items(), *report["startup"].items()] if t >= target_of(n)]
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
