@@ -28,6 +28,7 @@ from vgpu_ctl.cli.common import (
 )
 from vgpu_ctl.cli.host_check import agent_app, host_check
 from vgpu_ctl.cli.ops import register as register_ops
+from vgpu_ctl.cli.serve import serve, token_app
 from vgpu_ctl.cli.vm import vm_app
 
 app = typer.Typer(help="vgpu-ctl: pools of NVIDIA vGPUs on KVM hosts, handed to tenants' VMs under quotas.",
@@ -43,6 +44,8 @@ register_ops(app)
 app.command("reconcile")(reconcile_cmd)
 host_app.command("check")(host_check)
 app.add_typer(agent_app, name="agent")
+app.add_typer(token_app, name="token")
+app.command("serve")(serve)
 
 
 def _version(value: bool) -> None:

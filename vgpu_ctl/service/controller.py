@@ -40,6 +40,7 @@ from vgpu_ctl.errors import (
 )
 from vgpu_ctl.inventory import MAX_EVENTS, InventoryDecl, check_int, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service import operations as ops
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
@@ -843,6 +844,68 @@ class Controller:
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
             return render_vm(self, conn, vm.id)
+
+    # -- operations (run by a server's workers) ---------------------------------------------------------------
+
+    def submit_vm_create(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]], *,
+                         vcpus: int, memory_mib: int, pool: str | None = None,
+                         labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
+                         idempotency_key: str | None = None, template: str | None = None, holder: str,
+                         lease_seconds: float) -> ops.OperationInfo:
+        """Accept a VM request as a pending operation leased to `holder` (a worker pool); InvalidInput,
+        NotFound or PermissionDenied at once, nothing recorded, for a request that could never be served."""
+        wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
+        req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
+                        idempotency_key, template)
+        req.validate()
+        if template is not None:
+            self.hosts.renderer.check_template(template)
+        with self.tx() as conn:
+            t_id = self._tenant_id(conn, tenant)
+            if pool is not None:
+                self._pool_row(conn, pool)
+            self._check_profiles(conn, req, [], offers_too=False)
+            request = {"tenant": tenant, "name": name, "vgpus": [{"profile": v.profile, "count": v.count}
+                                                                 for v in wants],
+                       "vcpus": vcpus, "memory_mib": memory_mib, "pool": pool, "labels": dict(labels or {}),
+                       "anti_affinity": anti_affinity, "idempotency_key": idempotency_key, "template": template}
+            return ops.submit(conn, self.principal, "vm.create", request, tenant_id=t_id, vm_id=None, holder=holder,
+                              lease_seconds=lease_seconds)
+
+    def submit_vm_delete(self, ref: str, if_generation: int | None = None, *, holder: str,
+                         lease_seconds: float) -> ops.OperationInfo:
+        """Accept a VM's deletion as a pending operation leased to `holder`; NotFound at once for a VM the
+        caller cannot see, PreconditionFailed when `if_generation` is given and the VM has changed since."""
+        with self.tx() as conn:
+            vm = self._vm_row(conn, ref)
+            check_generation(vm, if_generation, "VM", ref)
+            return ops.submit(conn, self.principal, "vm.delete", {"vm": ref, "if_generation": if_generation},
+                              tenant_id=vm.tenant_id, vm_id=vm.id, holder=holder, lease_seconds=lease_seconds)
+
+    def get_operation(self, op_id: str) -> ops.OperationInfo:
+        """One operation (a tenant caller sees only its own)."""
+        with self.engine.connect() as conn:
+            return ops.get(conn, self.principal, op_id)
+
+    def list_operations(self, states: Collection[str] | None = None, limit: int = 100) -> list[ops.OperationInfo]:
+        """Operations, newest first (a tenant caller sees only its own)."""
+        check_int("limit", limit, 1, MAX_EVENTS)
+        with self.engine.connect() as conn:
+            return ops.list_operations(conn, self.principal, states, limit)
+
+    def run_operation(self, op_id: str, holder: str, lease_seconds: float) -> bool:
+        """Take the operation for `holder` if nobody else holds it and run it to its end, as the principal who
+        asked for it (admin only: this is a worker's call); whether it was taken."""
+        self._admin("operation run")
+        with self.tx() as conn:
+            row = ops.take(conn, op_id, holder, lease_seconds)
+            if row is None:
+                return False
+            asker = ops.principal_of(conn, row)
+        vm_id, result, error = ops.execute(self.acting_as(asker), row)
+        with self.tx() as conn:
+            ops.finish(conn, op_id, holder, vm_id=vm_id, result=result, error=error)
+        return True
 
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""

@@ -1,0 +1,84 @@
+"""The server's settings: from the command line, or a TOML file (contrib/config.toml shows every key)."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from vgpu_ctl.errors import InvalidInput
+from vgpu_ctl.inventory import check_int
+
+METRICS_ACCESS = ("token", "loopback", "open")
+
+
+@dataclass
+class ServerConfig:
+    """Where to listen, which store, how many workers and how often the loops run."""
+
+    listen: str = "127.0.0.1:8730"
+    store: str | None = None  # a store URL; None: the default SQLite store
+    state_dir: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    workers: int = 4  # threads running operations (VM create and delete)
+    operation_lease_s: float = 30.0  # a dead worker's operations are taken over this long after it stopped
+    reconcile_interval_s: float = 300.0  # 0: no reconcile loop
+    recovery_interval_s: float = 2.0  # how often the leader looks for operations left behind
+    idempotency_ttl_s: float = 86400.0
+    metrics_access: str = "token"  # token: an admin or reader token; loopback: also without one from 127.0.0.1
+    drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight operations may take to finish
+
+    def host_port(self) -> tuple[str, int]:
+        """The address and port of `listen`; InvalidInput naming the field otherwise."""
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidInput(f"listen {self.listen!r} must be HOST:PORT (e.g. 127.0.0.1:8730)",
+                               reasons=[{"field": "listen", "value": self.listen}])
+        check_int("listen port", int(port), 1, 65535)
+        return host.strip("[]"), int(port)
+
+    def check(self) -> ServerConfig:
+        """InvalidInput naming the first bad setting; else itself."""
+        self.host_port()
+        check_int("workers", self.workers, 1, 256)
+        for name in ("operation_lease_s", "reconcile_interval_s", "recovery_interval_s", "idempotency_ttl_s",
+                     "drain_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10**7:
+                raise InvalidInput(f"{name} {value!r} must be a number of seconds from 0 to 10000000",
+                                   reasons=[{"field": name, "value": value}])
+        if self.operation_lease_s < 1:
+            raise InvalidInput(f"operation_lease_s {self.operation_lease_s!r} must be at least 1",
+                               reasons=[{"field": "operation_lease_s", "value": self.operation_lease_s}])
+        if self.metrics_access not in METRICS_ACCESS:
+            raise InvalidInput(f"metrics_access {self.metrics_access!r} is not one of {', '.join(METRICS_ACCESS)}",
+                               reasons=[{"field": "metrics_access", "value": self.metrics_access}])
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidInput("tls_cert and tls_key go together: give both or neither",
+                               reasons=[{"field": "tls_cert" if self.tls_cert is None else "tls_key"}])
+        return self
+
+
+def load_config(path: Path, overrides: dict[str, Any]) -> ServerConfig:
+    """The settings of a TOML file (its [server] table, or the top level), then `overrides` (those not None)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidInput(f"config {str(path)!r} cannot be read: {exc.strerror}",
+                           reasons=[{"field": "config", "value": str(path)}]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidInput(f"config {str(path)!r} is not valid TOML: {exc}",
+                           reasons=[{"field": "config", "value": str(path)}]) from None
+    table = data.get("server", data)
+    known = {f.name for f in fields(ServerConfig)}
+    for key in table:
+        if key not in known:
+            raise InvalidInput(f"config {str(path)!r}: unknown setting {key!r} (known: {', '.join(sorted(known))})",
+                               reasons=[{"field": key, "value": table[key]}])
+    cfg = ServerConfig(**table)
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return cfg.check()

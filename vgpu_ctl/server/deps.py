@@ -1,0 +1,87 @@
+"""What every route needs: the caller (from its bearer token), its Controller, ETags and waits."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request
+
+from vgpu_ctl.errors import InvalidInput, PermissionDenied, VgpuCtlError
+from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.service.principals import Principal, authenticate
+
+from .runtime import Runtime
+
+_WAIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m)?")
+MAX_WAIT_S = 300.0
+
+
+class Unauthenticated(PermissionDenied):
+    """No credential, or one that is not valid: HTTP 401."""
+
+    code: str = "unauthenticated"
+
+
+def runtime(request: Request) -> Runtime:
+    """The server's runtime."""
+    rt: Runtime = request.app.state.runtime
+    return rt
+
+
+def principal_of(request: Request) -> Principal:
+    """The caller named by `Authorization: Bearer TOKEN` (cached on the request); 401 without a valid one."""
+    cached: Principal | None = getattr(request.state, "principal", None)
+    if cached is not None:
+        return cached
+    header = request.headers.get("authorization")
+    if header is None:
+        raise Unauthenticated("no credentials: send `Authorization: Bearer TOKEN` (a tenant's or an API token)",
+                              reasons=[{"field": "Authorization"}])
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        raise Unauthenticated(f"Authorization scheme {scheme!r} is not Bearer",
+                              reasons=[{"field": "Authorization", "value": scheme}])
+    try:
+        with runtime(request).ctx.engine.connect() as conn:
+            p = authenticate(conn, token.strip())
+    except VgpuCtlError as exc:
+        raise Unauthenticated(exc.message, exc.reasons) from None
+    request.state.principal = p
+    return p
+
+
+def controller(request: Request) -> Controller:
+    """A Controller acting for the caller."""
+    return runtime(request).controller(principal_of(request))
+
+
+def etag(generation: int) -> str:
+    """The ETag of an object at `generation`."""
+    return f'"{generation}"'
+
+
+def if_match(request: Request) -> int | None:
+    """The generation an `If-Match` header asks for (None without one, or for `*`); 400 when malformed."""
+    value = request.headers.get("if-match")
+    if value is None or value.strip() == "*":
+        return None
+    m = re.fullmatch(r'\s*(?:W/)?"(\d{1,18})"\s*', value)
+    if m is None:
+        raise InvalidInput(f"If-Match {value!r} is not an ETag this server gave (e.g. \"3\")",
+                           reasons=[{"field": "If-Match", "value": value}])
+    return int(m.group(1))
+
+
+def wait_seconds(value: str | None) -> float:
+    """`?wait=30s` (also 500ms, 2m, or plain seconds) in seconds, at most MAX_WAIT_S; 0 without one."""
+    if value is None:
+        return 0.0
+    m = _WAIT.fullmatch(value.strip())
+    if m is None:
+        raise InvalidInput(f"wait {value!r} is not a duration (e.g. 30s, 500ms, 2m)",
+                           reasons=[{"field": "wait", "value": value}])
+    seconds = float(m.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[m.group(2) or "s"]
+    if seconds > MAX_WAIT_S:
+        raise InvalidInput(f"wait {value!r} is longer than {MAX_WAIT_S:.0f}s",
+                           reasons=[{"field": "wait", "value": value}])
+    return seconds

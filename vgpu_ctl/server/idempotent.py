@@ -1,0 +1,80 @@
+"""The Idempotency-Key of every POST: a retry gets the stored response, the same key with another body is
+422, a duplicate still in flight is 409. Keys are per caller (a tenant, or an API token) and expire after the
+configured time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.service import idempotency as idem
+
+from .deps import principal_of, runtime
+from .problems import problem, problem_of
+
+HEADER = "idempotency-key"
+_KEPT_HEADERS = ("location", "etag", "content-type")
+
+
+async def idempotency_middleware(request: Request,
+                                 call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Apply the Idempotency-Key semantics to POST requests that carry one."""
+    key = request.headers.get(HEADER)
+    if request.method != "POST" or key is None:
+        return await call_next(request)
+    if not 0 < len(key) <= 255 or not key.isprintable():
+        return problem(400, "invalid", f"Idempotency-Key {key!r} must be 1-255 printable characters",
+                       [{"field": "Idempotency-Key", "value": key}])
+    try:
+        who = await run_in_threadpool(principal_of, request)
+    except VgpuCtlError as exc:
+        return problem_of(exc)
+    scope = f"tenant:{who.tenant}" if who.tenant is not None else f"{who.role}:{who.actor}"
+    body = await request.body()
+    print_ = idem.fingerprint(request.method, request.url.path, body)
+    rt = runtime(request)
+    ttl = timedelta(seconds=rt.cfg.idempotency_ttl_s)
+
+    def begin() -> idem.Stored:
+        with rt.ctx.tx() as conn:
+            return idem.begin(conn, scope, key, print_, ttl)
+
+    stored = await run_in_threadpool(begin)
+    if stored.state == "mismatch":
+        return problem(422, "idempotency_key_reused", f"Idempotency-Key {key!r} was already used for a different "
+                       "request; use a new key", [{"field": "Idempotency-Key", "value": key}])
+    if stored.state == "in-flight":
+        return problem(409, "idempotency_key_in_flight", f"a request with Idempotency-Key {key!r} is still being "
+                       "answered; retry later", [{"field": "Idempotency-Key", "value": key}],
+                       headers={"Retry-After": "1"})
+    if stored.state == "done":
+        headers = dict(stored.headers or {})
+        headers["Idempotent-Replayed"] = "true"
+        media = headers.pop("content-type", "application/json")
+        return JSONResponse(stored.response, status_code=stored.status_code or 200, headers=headers,
+                            media_type=media)
+    response = await call_next(request)
+    chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+    raw = b"".join(c if isinstance(c, bytes) else c.encode() for c in chunks)
+    kept = {k: v for k, v in response.headers.items() if k in _KEPT_HEADERS}
+
+    def end() -> None:
+        with rt.ctx.tx() as conn:
+            if response.status_code >= 500:
+                idem.abandon(conn, scope, key)
+            else:
+                try:
+                    payload = json.loads(raw) if raw else None
+                except ValueError:
+                    payload = raw.decode(errors="replace")
+                idem.complete(conn, scope, key, response.status_code, payload, kept)
+
+    await run_in_threadpool(end)
+    return Response(raw, status_code=response.status_code, headers=dict(response.headers),
+                    media_type=response.media_type)

@@ -1,0 +1,35 @@
+"""The server's own metrics: operations by state, the loops, leadership."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+
+from vgpu_ctl.service.operations import OPERATION
+
+from .runtime import Runtime
+
+
+def server_metrics(rt: Runtime) -> str:
+    """Prometheus text lines of this server process."""
+    with rt.ctx.engine.connect() as conn:
+        counts = conn.execute(select(OPERATION.c.state, func.count()).group_by(OPERATION.c.state)).all()
+    by_state: dict[str, int] = {str(state): int(n) for state, n in counts}
+    s = rt.stats
+    lines = ["# HELP vgpu_operations Operations in the store by state.", "# TYPE vgpu_operations gauge"]
+    lines += [f'vgpu_operations{{state="{st}"}} {by_state.get(st, 0)}'
+              for st in ("pending", "running", "succeeded", "failed")]
+    lines += ["# HELP vgpu_server_leader Whether this replica leads (runs the loops).",
+              "# TYPE vgpu_server_leader gauge", f"vgpu_server_leader {int(rt.leading)}",
+              "# HELP vgpu_operations_recovered_total Operations this replica took over from a dead one.",
+              "# TYPE vgpu_operations_recovered_total counter",
+              f"vgpu_operations_recovered_total {s.operations_recovered}",
+              "# HELP vgpu_reconcile_runs_total Reconcile runs of the loop.",
+              "# TYPE vgpu_reconcile_runs_total counter", f"vgpu_reconcile_runs_total {s.reconcile_runs}",
+              "# HELP vgpu_reconcile_findings_total Differences the reconcile loop found.",
+              "# TYPE vgpu_reconcile_findings_total counter",
+              f"vgpu_reconcile_findings_total {s.reconcile_findings}",
+              "# HELP vgpu_reconcile_unfixed Findings of the loop's last run it could not fix.",
+              "# TYPE vgpu_reconcile_unfixed gauge", f"vgpu_reconcile_unfixed {s.reconcile_unfixed}",
+              "# HELP vgpu_reconcile_errors_total Reconcile runs that failed.",
+              "# TYPE vgpu_reconcile_errors_total counter", f"vgpu_reconcile_errors_total {s.reconcile_errors}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,235 @@
+"""What a running server holds: the store context, the workers that run operations, the renewal of their
+leases, and (while this replica leads) the loops: operations left behind by a dead replica, reconcile on an
+interval, expired idempotency keys."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import delete, select, update
+
+from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.service import idempotency
+from vgpu_ctl.service import operations as ops
+from vgpu_ctl.service.context import ServiceContext
+from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.service.leases import new_holder
+from vgpu_ctl.service.principals import Principal
+from vgpu_ctl.store import migrate
+from vgpu_ctl.store.models import ServerLease, utcnow
+
+from .config import ServerConfig
+from .leader import Elector, elector_for
+
+log = logging.getLogger("vgpu_ctl.server")
+SERVER_LEASE = ServerLease.__table__  # type: ignore[attr-defined]
+
+
+@dataclass
+class LoopStats:
+    """What the loops did, for /metrics."""
+
+    operations_recovered: int = 0
+    reconcile_runs: int = 0
+    reconcile_findings: int = 0
+    reconcile_unfixed: int = 0
+    reconcile_errors: int = 0
+    last_reconcile: float | None = None
+    operations_run: dict[str, int] = field(default_factory=dict)  # by final state
+
+
+class Runtime:
+    """One server process: opens the store once, answers each request with a Controller bound to its caller,
+    runs operations on worker threads and, when elected, the loops."""
+
+    def __init__(self, cfg: ServerConfig, context: ServiceContext | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = context or ServiceContext(cfg.store, state_path=Path(cfg.state_dir) if cfg.state_dir else None,
+                                             schema="upgrade")
+        self.server = Controller(context=self.ctx, principal=Principal("server"))
+        self.holder = new_holder()
+        self.stats = LoopStats()
+        self._pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="vgpu-op")
+        self._lock = threading.Lock()
+        self._mine: set[str] = set()  # operations queued or running here
+        self._finished: dict[str, threading.Event] = {}
+        self._accepting = True
+        self._stop = threading.Event()
+        self._elector: Elector = elector_for(self.ctx.engine, self.ctx.state_path)
+        self.leading = False
+        self._threads = [threading.Thread(target=self._renew_loop, name="vgpu-renew", daemon=True),
+                         threading.Thread(target=self._leader_loop, name="vgpu-leader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- per request ------------------------------------------------------------------------------------------
+
+    def controller(self, principal: Principal) -> Controller:
+        """A Controller on this process's store acting for `principal`."""
+        return self.server.acting_as(principal)
+
+    @property
+    def accepting(self) -> bool:
+        """False once the server drains (SIGTERM): new long work is refused."""
+        return self._accepting
+
+    def dispatch(self, op_id: str) -> None:
+        """Run the operation on a worker thread (once per process)."""
+        with self._lock:
+            if op_id in self._mine or not self._accepting:
+                return
+            self._mine.add(op_id)
+            self._finished.setdefault(op_id, threading.Event())
+        self._pool.submit(self._run, op_id)
+
+    def _run(self, op_id: str) -> None:
+        try:
+            self.server.run_operation(op_id, self.holder, self.cfg.operation_lease_s)
+        except Exception as exc:  # a bug or a dead store: record it, never lose the worker thread
+            log.exception("operation %s failed", op_id)
+            error = exc.to_dict() if isinstance(exc, VgpuCtlError) else {
+                "code": "internal", "message": f"{type(exc).__name__}: {exc}", "reasons": []}
+            try:
+                with self.ctx.tx() as conn:
+                    ops.finish(conn, op_id, self.holder, vm_id=None, result=None, error=error)
+            except Exception:
+                log.exception("operation %s: its failure could not be recorded", op_id)
+        finally:
+            with self._lock:
+                self._mine.discard(op_id)
+                done = self._finished.pop(op_id, None)
+            if done is not None:
+                done.set()
+
+    def wait(self, op_id: str, timeout: float, principal: Principal) -> ops.OperationInfo:
+        """The operation once it is done, or as it is after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        ctl = self.controller(principal)
+        while True:
+            info = ctl.get_operation(op_id)
+            left = deadline - time.monotonic()
+            if info.done or left <= 0:
+                return info
+            with self._lock:
+                event = self._finished.get(op_id)
+            if event is not None:  # run here: wake when it ends
+                event.wait(min(left, 1.0))
+            else:  # run by another replica: poll the store
+                time.sleep(min(left, 0.05))
+
+    # -- the loops --------------------------------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        every = max(self.cfg.operation_lease_s / 3, 0.2)
+        while not self._stop.wait(every):
+            with self._lock:
+                mine = set(self._mine)
+            try:
+                with self.ctx.tx() as conn:
+                    ops.renew(conn, self.holder, mine, self.cfg.operation_lease_s)
+            except Exception:  # a busy store: the next tick renews, well before the lease runs out
+                log.warning("renewing operation leases failed", exc_info=True)
+
+    def _leader_loop(self) -> None:
+        next_reconcile = time.monotonic() + min(self.cfg.reconcile_interval_s, 5.0)
+        while not self._stop.is_set():
+            try:
+                self.leading = self._elector.try_lead()
+                if self.leading:
+                    self._heartbeat()
+                    self._recover()
+                    if self.cfg.reconcile_interval_s > 0 and time.monotonic() >= next_reconcile:
+                        self.reconcile_once()
+                        next_reconcile = time.monotonic() + self.cfg.reconcile_interval_s
+            except Exception:
+                log.warning("leader loop failed", exc_info=True)
+            self._stop.wait(self.cfg.recovery_interval_s)
+
+    def _heartbeat(self) -> None:
+        until = utcnow() + timedelta(seconds=max(3 * self.cfg.recovery_interval_s, 5.0))
+        with self.ctx.tx() as conn:
+            if conn.execute(update(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader")
+                            .values(holder=self.holder, address=self.cfg.listen, expires_at=until)).rowcount == 0:
+                conn.execute(SERVER_LEASE.insert().values(name="leader", holder=self.holder, address=self.cfg.listen,
+                                                          expires_at=until))
+            idempotency.purge(conn)
+
+    def _recover(self) -> None:
+        with self.ctx.engine.connect() as conn:
+            left = ops.orphaned(conn)
+        for op_id in left:
+            with self._lock:
+                if op_id in self._mine:
+                    continue
+            log.info("taking over operation %s", op_id)
+            self.stats.operations_recovered += 1
+            self.dispatch(op_id)
+
+    def reconcile_once(self) -> None:
+        """One reconcile run with repairs (a running domain the store does not know is never undefined)."""
+        self.stats.reconcile_runs += 1
+        self.stats.last_reconcile = time.time()
+        try:
+            report = self.server.reconcile(fix=True, confirm_undefine=lambda finding: False)
+        except Exception:
+            self.stats.reconcile_errors += 1
+            log.warning("reconcile failed", exc_info=True)
+            return
+        self.stats.reconcile_findings += len(report.findings)
+        self.stats.reconcile_unfixed = sum(not f.fixed for f in report.findings)
+
+    def leader(self) -> dict[str, object] | None:
+        """The leader as the store knows it (holder, address, until), if its lease runs."""
+        with self.ctx.engine.connect() as conn:
+            row = conn.execute(select(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader")).first()
+        if row is None:
+            return None
+        expires = row.expires_at if row.expires_at.tzinfo else row.expires_at.replace(tzinfo=utcnow().tzinfo)
+        if expires <= utcnow():
+            return None
+        return {"holder": row.holder, "address": row.address, "until": expires.isoformat(),
+                "self": row.holder == self.holder}
+
+    def ready(self) -> dict[str, object]:
+        """Whether the store answers, its schema is at head and a leader is known (`ok` all three)."""
+        out: dict[str, object] = {"store": False, "schema": None, "leader": None}
+        try:
+            out["schema"] = migrate.current_revision(self.ctx.engine)
+            out["store"] = True
+            out["leader"] = self.leader()
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["ok"] = bool(out["store"] and out["schema"] == migrate.head_revision() and out["leader"])
+        return out
+
+    # -- shutdown ---------------------------------------------------------------------------------------------
+
+    def close(self, on_drained: Callable[[], None] | None = None) -> None:
+        """Drain: accept no new work, let running operations finish (up to drain_timeout_s; what is left
+        stays leased to this process and is taken over by the next leader), stop the loops, close the store."""
+        with self._lock:
+            self._accepting = False
+        drained = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True, "cancel_futures": True})
+        drained.start()
+        drained.join(self.cfg.drain_timeout_s)
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        if self.leading:
+            try:
+                with self.ctx.tx() as conn:
+                    conn.execute(delete(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader",
+                                                            SERVER_LEASE.c.holder == self.holder))
+            except Exception:
+                log.warning("could not clear the leader's lease", exc_info=True)
+        self._elector.resign()
+        if on_drained is not None:
+            on_drained()
+        self.ctx.close()
