@@ -109,56 +109,94 @@ def _devices_by_gpu(conn: Connection) -> dict[int, list[Any]]:
     return out
 
 
-def _gpu_label(conn: Connection, g: Any) -> str:
-    host = conn.execute(select(HOST.c.name).where(HOST.c.id == g.host_id)).scalar()
+def _gpu_label(conn: Connection, g: Any, hosts: dict[int, str] | None = None) -> str:
+    """`gpu HOST/PCI` of a GPU row (`hosts`: host names by id, filled on first use; one query per call
+    without it)."""
+    if hosts is None:
+        host = conn.execute(select(HOST.c.name).where(HOST.c.id == g.host_id)).scalar()
+    else:
+        if not hosts:
+            hosts.update({r.id: r.name for r in conn.execute(select(HOST.c.id, HOST.c.name))})
+        host = hosts.get(g.host_id)
     return f"gpu {host}/{g.pci_address}"
+
+
+def _layout_check(catalog: Catalog, g: Any) -> tuple[int | None, str | None]:
+    """(the fit mask its layout gives, None) for a GPU row whose layout is valid on its model and mode; else
+    (None, why not)."""
+    try:
+        occ = occupancy_of(catalog, {**g._mapping, "layout": ""})
+        for s in decode_layout(g.layout):
+            occ = occ.add(s.profile, s.start)
+    except (VgpuCtlError, ValueError) as exc:
+        return None, str(exc)
+    return fit_mask(occ), None
 
 
 def _gpu_mirror(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     by_gpu = _devices_by_gpu(conn)
+    hosts: dict[int, str] = {}
+    # A fleet holds few distinct GPU states: what a state's layout gives is worked out once per state.
+    checked: dict[tuple[Any, ...], tuple[int | None, str | None]] = {}
+    empty: dict[tuple[str, str], dict[str, Any]] = {}
     for g in conn.execute(select(GPU)).all():
-        label, slots = _gpu_label(conn, g), _slots(by_gpu.get(g.id, []))
-        geom = geometry_for(catalog, g.model, g.mode)
-        covered = 0
-        for s in slots:
-            covered |= ((1 << s.size) - 1) << s.start
-        want = {"layout": encode_layout(slots), "device_count": len(slots), "axis_units": geom.axis,
-                "free_units": geom.axis - covered.bit_count(),
-                "active_type": slots[0].profile if geom.homogeneous and slots else None}
+        devs = by_gpu.get(g.id)
+        if devs:
+            slots = _slots(devs)
+            geom = geometry_for(catalog, g.model, g.mode)
+            covered = 0
+            for s in slots:
+                covered |= ((1 << s.size) - 1) << s.start
+            want = {"layout": encode_layout(slots), "device_count": len(slots), "axis_units": geom.axis,
+                    "free_units": geom.axis - covered.bit_count(),
+                    "active_type": slots[0].profile if geom.homogeneous and slots else None}
+        else:
+            want = empty.get((g.model, g.mode))  # type: ignore[assignment]
+            if want is None:
+                axis = geometry_for(catalog, g.model, g.mode).axis
+                want = empty[(g.model, g.mode)] = {"layout": "", "device_count": 0, "axis_units": axis,
+                                                   "free_units": axis, "active_type": None}
         for col, value in want.items():
             if getattr(g, col) != value:
-                yield Problem(label, f"{col} is {getattr(g, col)!r} but its devices give {value!r}",
-                              f"{RECONCILE} (rewrites the GPU's occupancy from its devices)")
-        try:
-            occ = occupancy_of(catalog, {**g._mapping, "layout": ""})
-            for s in decode_layout(g.layout):
-                occ = occ.add(s.profile, s.start)
-        except (VgpuCtlError, ValueError) as exc:
-            yield Problem(label, f"layout {g.layout!r} is not valid on a {g.model} in {g.mode} mode: {exc}",
+                yield Problem(_gpu_label(conn, g, hosts), f"{col} is {getattr(g, col)!r} but its devices give "
+                              f"{value!r}", f"{RECONCILE} (rewrites the GPU's occupancy from its devices)")
+        key = (g.model, g.mode, g.mig_layout, g.layout, g.pinned_type)
+        found = checked.get(key)
+        if found is None:
+            found = checked[key] = _layout_check(catalog, g)
+        mask, error = found
+        if error is not None or mask is None:
+            yield Problem(_gpu_label(conn, g, hosts), f"layout {g.layout!r} is not valid on a {g.model} in "
+                          f"{g.mode} mode: {error}",
                           f"delete the VMs on this GPU that break the layout, then {RECONCILE}")
             continue
-        if g.fits != fit_mask(occ):
-            yield Problem(label, f"fit mask is {g.fits:#x} but its layout gives {fit_mask(occ):#x} (placement "
-                          "may skip this GPU)", "run `vgpuctl init` (recomputes every fit mask)")
+        if g.fits != mask:
+            yield Problem(_gpu_label(conn, g, hosts), f"fit mask is {g.fits:#x} but its layout gives {mask:#x} "
+                          "(placement may skip this GPU)", "run `vgpuctl init` (recomputes every fit mask)")
 
 
 def _one_type(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     by_gpu = _devices_by_gpu(conn)
+    hosts: dict[int, str] = {}
     for g in conn.execute(select(GPU).where(GPU.c.mode == "vgpu-equal")).all():
-        types = sorted({d.profile for d in by_gpu.get(g.id, [])})
+        if g.id not in by_gpu:
+            continue
+        types = sorted({d.profile for d in by_gpu[g.id]})
         if len(types) > 1:
-            yield Problem(_gpu_label(conn, g), f"equal-size GPU holds several types: {', '.join(types)}",
+            yield Problem(_gpu_label(conn, g, hosts), f"equal-size GPU holds several types: {', '.join(types)}",
                           "delete the VMs of all but one type on this GPU")
         elif types and g.pinned_type and types[0] != g.pinned_type:
-            yield Problem(_gpu_label(conn, g), f"GPU is pinned to {g.pinned_type} but holds {types[0]}",
+            yield Problem(_gpu_label(conn, g, hosts), f"GPU is pinned to {g.pinned_type} but holds {types[0]}",
                           "delete those VMs, or change the GPU's vgpu_type in the inventory")
 
 
 def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    taken = {r.host_id: (r.vcpus, r.mem) for r in conn.execute(
+        select(VM.c.host_id, func.coalesce(func.sum(VM.c.vcpus), 0).label("vcpus"),
+               func.coalesce(func.sum(VM.c.memory_mib), 0).label("mem"))
+        .where(VM.c.host_id.is_not(None), VM.c.state.in_(HOLDS_CLAIM)).group_by(VM.c.host_id))}
     for h in conn.execute(select(HOST)).all():
-        vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
-                                         func.coalesce(func.sum(VM.c.memory_mib), 0))
-                                  .where(VM.c.host_id == h.id, VM.c.state.in_(HOLDS_CLAIM))).one()
+        vcpus, mem = taken.get(h.id, (0, 0))
         for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):
             if getattr(h, col) != value:
                 yield Problem(f"host {h.name}", f"{col} is {getattr(h, col)} but its VMs take {value}",
