@@ -22,6 +22,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import Mode, Occupancy, geometry_for, supported_modes
@@ -272,3 +273,21 @@ def _per_gpu(fleet: Fleet, chosen: Candidate, advised: Outcome, pool: str | None
             action = "re-carve" if new != g.occupancy else "keep"
             rows.append(GpuAdvice(h.name, g.pci, g.model, g.pool, 0, today, advised_text, action))
     return rows
+
+
+def advice_dict(advice: Advice) -> dict[str, Any]:
+    """The advice as plain data: winner, gain, each candidate's score, per GPU today / advised / action."""
+    def side(o: Outcome) -> dict[str, Any]:
+        return {"placed_vms": o.placed_vms, "refused_vms": o.refused_vms, "placed_pct": round(100 * o.placed_share, 2)}
+
+    return {
+        "winner": advice.winner,
+        "today": side(advice.today),
+        "advised": side(advice.advised),
+        "gain": {"vms": advice.gain_vms, "points": round(100 * advice.gain_share, 2)},
+        "candidates": [{"name": s.name, "placed_pct": round(100 * s.placed_share, 2), "placed_vms": s.placed_vms,
+                        "gpus_changed": s.changed, "sampled": s.sampled} for s in advice.scores],
+        "gpus": [{"host": g.host, "pci": g.pci, "model": g.model, "pool": g.pool, "devices": g.devices,
+                  "today": g.today, "advised": g.advised, "action": g.action} for g in advice.gpus],
+        "move_first": [f"{g.host}/{g.pci}" for g in advice.gpus if g.action == "move VMs first"],
+    }
