@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from sqlalchemy.engine import Connection
 from vgpu_ctl.errors import NotFound, VgpuCtlError
 from vgpu_ctl.service.leases import expiry, is_held
 from vgpu_ctl.service.principals import Principal
+from vgpu_ctl.service.requests import OperationInfo as OperationInfo  # its home, re-exported
 from vgpu_ctl.store.models import Operation, utcnow
 
 if TYPE_CHECKING:
@@ -25,32 +25,6 @@ if TYPE_CHECKING:
 OPERATION = Operation.__table__  # type: ignore[attr-defined]
 KINDS = ("vm.create", "vm.delete")
 UNFINISHED = ("pending", "running")
-
-
-@dataclass(frozen=True)
-class OperationInfo:
-    """An operation as the API reports it."""
-
-    id: str
-    kind: str
-    state: str  # pending, running, succeeded, failed
-    tenant: str | None
-    vm_id: str | None
-    request: dict[str, Any]
-    result: dict[str, Any] | None
-    error: dict[str, Any] | None
-    created_at: str
-    updated_at: str
-    finished_at: str | None
-
-    @property
-    def done(self) -> bool:
-        """True once it succeeded or failed."""
-        return self.state in ("succeeded", "failed")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return dict(self.__dict__)
 
 
 def _iso(t: datetime | None) -> str | None:

@@ -8,7 +8,6 @@ rolled back) at once when none does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -21,45 +20,12 @@ from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.leases import is_held, new_holder, take
 from vgpu_ctl.service.provision import domain_name, provision_vm, release_vm, undo
 from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.service.requests import Finding as Finding  # their home, re-exported
+from vgpu_ctl.service.requests import ReconcileReport as ReconcileReport
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-
-
-@dataclass
-class Finding:
-    """One difference between store and host, and what was (or would be) done about it."""
-
-    kind: str
-    host: str
-    target: str
-    detail: str
-    action: str = "report"
-    fixed: bool = False
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return dict(self.__dict__)
-
-
-@dataclass
-class ReconcileReport:
-    """All findings of one reconcile run."""
-
-    findings: list[Finding] = field(default_factory=list)
-    hosts: int = 0
-
-    @property
-    def clean(self) -> bool:
-        """True when nothing differs (or everything found was fixed); a VM another process is still working
-        on (`in-progress`) is not clean."""
-        return all(f.fixed for f in self.findings)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"hosts": self.hosts, "clean": self.clean, "findings": [f.to_dict() for f in self.findings]}
 
 
 def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,

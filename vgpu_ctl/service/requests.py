@@ -137,3 +137,64 @@ class Placement:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {"host": self.host, "pool": self.pool, "devices": [d.to_dict() for d in self.devices]}
+
+
+@dataclass(frozen=True)
+class OperationInfo:
+    """An operation as the API reports it."""
+
+    id: str
+    kind: str
+    state: str  # pending, running, succeeded, failed
+    tenant: str | None
+    vm_id: str | None
+    request: dict[str, Any]
+    result: dict[str, Any] | None
+    error: dict[str, Any] | None
+    created_at: str
+    updated_at: str
+    finished_at: str | None
+
+    @property
+    def done(self) -> bool:
+        """True once it succeeded or failed."""
+        return self.state in ("succeeded", "failed")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class Finding:
+    """One difference between store and host, and what was (or would be) done about it."""
+
+    kind: str
+    host: str
+    target: str
+    detail: str
+    action: str = "report"
+    fixed: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class ReconcileReport:
+    """All findings of one reconcile run."""
+
+    findings: list[Finding] = field(default_factory=list)
+    hosts: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """True when nothing differs (or everything found was fixed); a VM another process is still working
+        on (`in-progress`) is not clean."""
+        return all(f.fixed for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"hosts": self.hosts, "clean": self.clean, "findings": [f.to_dict() for f in self.findings]}
