@@ -309,6 +309,11 @@ class _Lines:
         return _line_for(self._root, loc)
 
 
+def _too_deep(path: Path) -> InventoryError:
+    return InventoryError(f"{path}: YAML nested too deeply to be an inventory",
+                          reasons=[{"file": str(path), "error": "nested too deeply"}])
+
+
 def parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
     """Read and check an inventory file; InventoryError naming file, line and field on the first problem.
     The file is parsed once (with libyaml when PyYAML has it); line numbers are worked out only for an error."""
@@ -331,12 +336,14 @@ def _parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
     try:
         data = yaml.load(text, Loader=_LOADER) or {}
     except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None)
+        if problem is not None and "nesting depth" in str(problem):  # libyaml's own limit on depth
+            raise _too_deep(path) from None
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
-        raise InventoryError(f"{path}{at}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise InventoryError(f"{path}{at}: not valid YAML: {problem or exc}") from None
     except RecursionError:
-        raise InventoryError(f"{path}: YAML nested too deeply to be an inventory",
-                             reasons=[{"file": str(path), "error": "nested too deeply"}]) from None
+        raise _too_deep(path) from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
     lines = _Lines(text)
