@@ -68,7 +68,6 @@ def _inputs(demand: Path, fleet: Path | None, from_store: bool, policy: str, sca
             fleet_mode: str) -> tuple[Any, Any, Any]:
     from vgpu_ctl.catalog import load_catalog
     from vgpu_ctl.planning.demand import load_demand, scaled
-    from vgpu_ctl.planning.whatif import hypothetical
 
     if policy not in POLICIES:
         raise InvalidInput(f"unknown placement policy {policy!r} (field policy); known: {', '.join(sorted(POLICIES))}",
@@ -77,8 +76,7 @@ def _inputs(demand: Path, fleet: Path | None, from_store: bool, policy: str, sca
     d = load_demand(demand, catalog)
     if scale != 1.0:
         d = scaled(d, scale)
-    base = _fleet(catalog, fleet, from_store, gpus, fleet_mode)
-    return catalog, hypothetical(catalog, base, d), d
+    return catalog, _fleet(catalog, fleet, from_store, gpus, fleet_mode), d
 
 
 def _write_report(path: Path, html: str) -> None:
@@ -99,8 +97,8 @@ def plan_cmd(demand: Path = DEMAND_OPT, fleet: Path = FLEET_OPT, from_store: boo
 
     fmt = out_format(as_json, output)
     with handled(fmt):
-        catalog, target, d = _inputs(demand, fleet, from_store, policy, scale, gpus, fleet_mode)
-        result = make_plan(catalog, target, d, policy)
+        catalog, base, d = _inputs(demand, fleet, from_store, policy, scale, gpus, fleet_mode)
+        result = make_plan(catalog, base, d, policy)
         data = result.to_dict(gpus=report is not None)
         if report is not None:
             _write_report(report, render(data, title=f"vgpu-ctl plan: {d.source}"))
@@ -148,11 +146,12 @@ def carving_cmd(demand: Path = DEMAND_OPT, pool: str = typer.Option(None, "--poo
     today's carving; only GPUs holding no devices change, in-use GPUs whose VMs would have to move are listed."""
     from vgpu_ctl.planning.carving import advice_dict, advise
     from vgpu_ctl.planning.report_html import render
-    from vgpu_ctl.planning.whatif import make_plan
+    from vgpu_ctl.planning.whatif import hypothetical, make_plan
 
     fmt = out_format(as_json, output)
     with handled(fmt):
-        catalog, target, d = _inputs(demand, fleet, from_store, policy, scale, gpus, fleet_mode)
+        catalog, base, d = _inputs(demand, fleet, from_store, policy, scale, gpus, fleet_mode)
+        target = hypothetical(catalog, base, d)
         if pool is not None and pool not in target.pools():
             raise InvalidInput(f"field pool: no GPU of the fleet is in pool {pool!r} (pools: "
                                f"{', '.join(sorted(target.pools())) or 'none'})",
@@ -160,7 +159,7 @@ def carving_cmd(demand: Path = DEMAND_OPT, pool: str = typer.Option(None, "--poo
         advice = advise(catalog, target, d, policy, pool)
         data = advice_dict(advice)
         if report is not None:
-            plan = make_plan(catalog, target, d, policy, advise_hosts=False).to_dict()
+            plan = make_plan(catalog, base, d, policy, advise_hosts=False).to_dict()
             _write_report(report, render(plan, data, title=f"vgpu-ctl carving advice: {d.source}"))
     if machine(fmt):
         emit(fmt, data)

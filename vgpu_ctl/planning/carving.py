@@ -12,8 +12,9 @@ sample of the hosts with the demand sampled alike; then today's carving and the 
 and the one placing the most of the demand wins; ties keep the carving that changes fewest GPUs. The advice per
 GPU is the winner's mode, with the vGPU type an equal-size GPU ended up holding (to pin) and the MIG layout a MIG
 GPU ended up holding (GPU-instance profiles at their starts) in the winner's replay: what to carve, found by placing
-the demand under NVIDIA's rules (core.geometry). In-use GPUs are never changed; those whose carving differs from
-what the advisor gives the free GPUs of their pool and model are listed with the devices that would have to move.
+the demand under NVIDIA's rules (core.geometry). In-use GPUs are never changed; those whose carving (pinned type,
+fixed layout, mode) keeps out requests the advised replay still refused, which an empty GPU of the same model could
+take, are listed with the carving they would need and the devices that would have to move first.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vgpu_ctl.catalog import Catalog
-from vgpu_ctl.core.geometry import Mode, Occupancy, geometry_for, supported_modes
+from vgpu_ctl.core.geometry import Misfit, Mode, Occupancy, geometry_for, supported_modes
 from vgpu_ctl.planning.demand import Ask, Demand
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu
 from vgpu_ctl.planning.replay import Outcome, asked_gpus, resolve, run
@@ -246,28 +247,42 @@ def advise(catalog: Catalog, fleet: Fleet, demand: Demand, policy: str = "pack",
     win = max(full, key=lambda s: (round(s.placed_share, 9), s.placed_vms, -s.changed))
     chosen = next(c for c in cands if c.name == win.name)
     today, advised = results["today"], results[win.name]
-    return Advice(win.name, tuple(scores), today, advised, tuple(_per_gpu(fleet, chosen, advised, pool)))
+    rows = _per_gpu(catalog, fleet, chosen, advised, demand.asks, pool)
+    return Advice(win.name, tuple(scores), today, advised, tuple(rows))
 
 
-def _per_gpu(fleet: Fleet, chosen: Candidate, advised: Outcome, pool: str | None) -> list[GpuAdvice]:
+def _blocking(catalog: Catalog, g: PlanGpu, occ: Occupancy, asks: Sequence[Ask], refused: Sequence[int]) -> str | None:
+    """The carving an empty GPU like `g` would need for requests still refused that `g`'s carving (pinned type,
+    fixed layout, mode) keeps out; None if its carving blocks none of them."""
+    for i, a in enumerate(asks):
+        if not refused[i] or (a.pool is not None and a.pool != g.pool) or (a.models is not None and
+                                                                            g.model not in a.models):
+            continue
+        p = resolve(catalog, a, occ.geometry)
+        if p is not None and occ.misfit(p) not in (Misfit.OTHER_TYPE, Misfit.LAYOUT, Misfit.OTHER_MODE):
+            continue  # refused for lack of room, not because of how the GPU is carved
+        for mode in (Mode.VGPU_EQUAL, Mode.VGPU_MIXED, Mode.MIG, Mode.PASSTHROUGH):  # the simplest carving first
+            if mode not in supported_modes(catalog, g.model):
+                continue
+            empty = Occupancy(geometry_for(catalog, g.model, mode))
+            q = resolve(catalog, a, empty.geometry)
+            if q is not None and empty.misfit(q) is None:
+                return f"{mode.value} {q}" if mode is Mode.VGPU_EQUAL else f"{mode.value} (for {q})"
+    return None
+
+
+def _per_gpu(catalog: Catalog, fleet: Fleet, chosen: Candidate, advised: Outcome, asks: Sequence[Ask],
+             pool: str | None) -> list[GpuAdvice]:
     rows: list[GpuAdvice] = []
-    advised_modes: dict[tuple[str | None, str], Counter[str]] = {}
-    for hi, h in enumerate(fleet.hosts):
-        for gi, g in enumerate(h.gpus):
-            new = chosen.fleet.hosts[hi].gpus[gi].occupancy
-            if not g.in_use and (pool is None or g.pool == pool):
-                advised_modes.setdefault((g.pool, g.model), Counter())[new.geometry.mode.value] += 1
     for hi, h in enumerate(fleet.hosts):
         for gi, g in enumerate(h.gpus):
             after = advised.fleet.hosts[hi].gpus[gi].occupancy
             new = chosen.fleet.hosts[hi].gpus[gi].occupancy
             today = describe(g.occupancy)
             if g.in_use:
-                modes = advised_modes.get((g.pool, g.model))
-                best = modes.most_common(1)[0][0] if modes else g.mode.value
-                differs = best != g.mode.value
+                need = _blocking(catalog, g, after, asks, advised.refused) if pool in (None, g.pool) else None
                 rows.append(GpuAdvice(h.name, g.pci, g.model, g.pool, len(g.occupancy.slots), today,
-                                      best if differs else today, "move VMs first" if differs else "keep"))
+                                      need or today, "move VMs first" if need else "keep"))
                 continue
             advised_text = _held(after) if new != g.occupancy or after.slots else today
             action = "re-carve" if new != g.occupancy else "keep"

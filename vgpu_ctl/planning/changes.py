@@ -81,6 +81,7 @@ class Changes:
 
     add_hosts: tuple[AddHosts, ...] = ()
     set_gpus: tuple[SetGpus, ...] = ()
+    path: Path = Path("-")  # the file they were declared in
 
     def __bool__(self) -> bool:
         return bool(self.add_hosts or self.set_gpus)
@@ -179,17 +180,17 @@ def parse_changes(path: Path, catalog: Catalog, data: object) -> Changes:
         pci = str(sel["pci"]).lower() if sel["pci"] is not None else None
         sets.append(SetGpus(where, _opt(sel["host"]), pci, sel_model, _opt(sel["pool"]),
                             _carving(path, where, catalog, sel_model, s)))
-    return Changes(tuple(adds), tuple(sets))
+    return Changes(tuple(adds), tuple(sets), path)
 
 
 def _opt(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def apply_changes(catalog: Catalog, fleet: Fleet, changes: Changes, path: Path | None = None) -> Fleet:
+def apply_changes(catalog: Catalog, fleet: Fleet, changes: Changes) -> Fleet:
     """The fleet with the changes made (a copy; `fleet` is a planning Fleet). InvalidInput naming the change when a
     selector matches no GPU, a GPU holds devices, or its model lacks the mode."""
-    where_file = path or Path("-")
+    where_file = changes.path
     hosts = list(fleet.hosts)
     for s in changes.set_gpus:
         hit = 0

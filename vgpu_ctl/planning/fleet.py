@@ -127,7 +127,8 @@ def fleet_from_trace(path: Path, catalog: Catalog, mode: str = Mode.VGPU_EQUAL.v
     empty = {m: carve(catalog, m, mode_of(catalog, m, mode)) for m in {n.model for n in nodes}}
     hosts: list[PlanHost] = []
     total = 0
-    while not hosts or total < (min_gpus or 0):  # the node list over and over, cut where the GPUs are enough
+    target = per_copy if min_gpus is None else min_gpus
+    while total < target:  # the node list over and over, cut where the GPUs are enough
         n = nodes[len(hosts) % len(nodes)]
         c = len(hosts) // len(nodes)
         name = n.name if copies == 1 else f"{n.name}-c{c}"
@@ -135,8 +136,6 @@ def fleet_from_trace(path: Path, catalog: Catalog, mode: str = Mode.VGPU_EQUAL.v
         vcpus = n.cpu_milli / 1000
         hosts.append(PlanHost(name, vcpus, float(n.memory_mib), vcpus, float(n.memory_mib), gpus))
         total += n.gpus
-        if min_gpus is None and len(hosts) == len(nodes):
-            break
     return Fleet(tuple(hosts), f"trace nodes {path}" + (f" repeated to {total} GPUs" if copies > 1 else ""))
 
 
