@@ -40,6 +40,9 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
                                .where(alloc.DEVICE.c.backing != "pci")).all()  # passthrough: nothing to lose
     store_uuids = {d.uuid: d.vm_id for d in devices}
     vm_ids = {v.id for v in vms}
+    vms_on: dict[int, list[Any]] = {}  # by host: one pass over the VMs, not one per host
+    for v in vms:
+        vms_on.setdefault(v.host_id, []).append(v)
     for host in hosts:
         report.hosts += 1
         if progress is not None:
@@ -86,7 +89,7 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
                                   profile=hd.profile or "", start=0, size=0, uuid=hd.uuid)
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
-        for vm in (v for v in vms if v.host_id == host.id):
+        for vm in vms_on.get(host.id, ()):
             report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, fix,
                                              {d.name for d in domains if d.active}))
     if fix and report.findings:
