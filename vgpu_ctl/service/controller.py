@@ -852,7 +852,7 @@ class Controller:
                          labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
                          idempotency_key: str | None = None, template: str | None = None, holder: str,
                          lease_seconds: float) -> ops.OperationInfo:
-        """Accept a VM request as a pending operation leased to `holder` (a worker pool); InvalidInput,
+        """Accept a VM request as an operation that `holder` (a worker pool) runs next; InvalidInput,
         NotFound or PermissionDenied at once, nothing recorded, for a request that could never be served."""
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
@@ -874,7 +874,7 @@ class Controller:
 
     def submit_vm_delete(self, ref: str, if_generation: int | None = None, *, holder: str,
                          lease_seconds: float) -> ops.OperationInfo:
-        """Accept a VM's deletion as a pending operation leased to `holder`; NotFound at once for a VM the
+        """Accept a VM's deletion as an operation that `holder` runs next; NotFound at once for a VM the
         caller cannot see, PreconditionFailed when `if_generation` is given and the VM has changed since."""
         with self.tx() as conn:
             vm = self._vm_row(conn, ref)
@@ -894,14 +894,19 @@ class Controller:
             return ops.list_operations(conn, self.principal, states, limit)
 
     def run_operation(self, op_id: str, holder: str, lease_seconds: float) -> bool:
-        """Take the operation for `holder` if nobody else holds it and run it to its end, as the principal who
-        asked for it (admin only: this is a worker's call); whether it was taken."""
+        """Run the operation to its end as the principal who asked for it, if `holder` holds it or can take
+        it over (nobody else holds it); whether it ran. Admin only: this is a worker's call."""
         self._admin("operation run")
-        with self.tx() as conn:
-            row = ops.take(conn, op_id, holder, lease_seconds)
-            if row is None:
-                return False
-            asker = ops.principal_of(conn, row)
+        with self.engine.connect() as conn:
+            row = ops.own(conn, op_id, holder)
+            asker = ops.principal_of(conn, row) if row is not None else None
+        if row is None:
+            with self.tx() as conn:
+                row = ops.take_over(conn, op_id, holder, lease_seconds)
+                if row is None:
+                    return False
+                asker = ops.principal_of(conn, row)
+        assert asker is not None
         vm_id, result, error = ops.execute(self.acting_as(asker), row)
         with self.tx() as conn:
             ops.finish(conn, op_id, holder, vm_id=vm_id, result=result, error=error)

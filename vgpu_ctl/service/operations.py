@@ -1,7 +1,8 @@
 """Operations: long work a caller asked for (create or delete a VM), kept in the store so that any server
-replica can report on it and the leader can finish it when the server that took it dies. A worker takes an
-operation with a compare-and-set on its lease, renews the lease while it works and records the result or the
-error; an operation whose lease ran out (or whose holder's process is gone) can be taken by another."""
+replica can report on it and the leader can finish it when the server that took it dies. The server that
+accepts an operation holds its lease from the start and runs it on its workers, renewing the lease while it
+works, then records the result or the error; an operation whose lease ran out (or whose holder's process is
+gone) is taken over by another with a compare-and-set on the lease (`attempts` counts the takers)."""
 
 from __future__ import annotations
 
@@ -41,16 +42,20 @@ def _info(conn: Connection, row: Any) -> OperationInfo:
 
 def submit(conn: Connection, principal: Principal, kind: str, request: Mapping[str, Any], *,
            tenant_id: int | None, vm_id: str | None, holder: str, lease_seconds: float) -> OperationInfo:
-    """Record a new operation, pending and leased to `holder` (the worker pool that will run it)."""
+    """Record a new operation taken by `holder` (the worker pool that runs it next: running, first attempt)."""
     assert kind in KINDS
     now = utcnow()
     op_id = str(uuid.uuid4())
     conn.execute(OPERATION.insert().values(
-        id=op_id, kind=kind, state="pending", actor=principal.actor, role=principal.role, tenant_id=tenant_id,
-        vm_id=vm_id, request=dict(request), lease_holder=holder, lease_expires=expiry(lease_seconds),
+        id=op_id, kind=kind, state="running", actor=principal.actor, role=principal.role, tenant_id=tenant_id,
+        vm_id=vm_id, request=dict(request), lease_holder=holder, lease_expires=expiry(lease_seconds), attempts=1,
         created_at=now, updated_at=now))
-    row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).one()
-    return _info(conn, row)
+    tenant = principal.tenant if principal.tenant_id == tenant_id else None
+    if tenant is None and tenant_id is not None:
+        from vgpu_ctl.service.allocation import TENANT
+        tenant = conn.execute(select(TENANT.c.name).where(TENANT.c.id == tenant_id)).scalar()
+    return OperationInfo(op_id, kind, "running", tenant, vm_id, dict(request), None, None, now.isoformat(),
+                         now.isoformat(), None)
 
 
 def get(conn: Connection, principal: Principal, op_id: str) -> OperationInfo:
@@ -72,19 +77,26 @@ def list_operations(conn: Connection, principal: Principal, states: Collection[s
     return [_info(conn, r) for r in conn.execute(q).all()]
 
 
-def take(conn: Connection, op_id: str, holder: str, lease_seconds: float) -> Any | None:
-    """Take the operation for `holder` if it is unfinished and nobody else holds it (a compare-and-set on
-    the lease as read), marking it running; its row as it was, or None."""
+def own(conn: Connection, op_id: str, holder: str) -> Any | None:
+    """The operation's row if `holder` holds it and it is unfinished (submitted by it, not yet run)."""
     row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
-    if row is None or row.state not in UNFINISHED:
-        return None
-    if row.lease_holder not in (None, holder) and is_held(row.lease_holder, row.lease_expires):
+    return row if row is not None and row.state in UNFINISHED and row.lease_holder == holder else None
+
+
+def take_over(conn: Connection, op_id: str, holder: str, lease_seconds: float) -> Any | None:
+    """Take an unfinished operation nobody holds now for `holder` (a compare-and-set on the lease as read;
+    one more attempt); its row, or None if it is finished or another live worker holds it."""
+    row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+    if row is None or row.state not in UNFINISHED or is_held(row.lease_holder, row.lease_expires):
         return None
     same = func.coalesce(OPERATION.c.lease_holder, "") == (row.lease_holder or "")
-    res = conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == row.state, same)
+    res = conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == row.state,
+                                               OPERATION.c.attempts == row.attempts, same)
                        .values(state="running", lease_holder=holder, lease_expires=expiry(lease_seconds),
-                               updated_at=utcnow()))
-    return row if res.rowcount == 1 else None
+                               attempts=row.attempts + 1, updated_at=utcnow()))
+    if res.rowcount != 1:
+        return None
+    return conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
 
 
 def renew(conn: Connection, holder: str, op_ids: Collection[str], lease_seconds: float) -> None:
@@ -141,7 +153,7 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
         try:
             ctl.release_vm(str(row.vm_id), if_generation=req.get("if_generation"))
         except NotFound:
-            if row.state != "running":  # a first run: the VM was there when the delete was asked for
+            if row.attempts <= 1:  # a first run: the VM was there when the delete was asked for
                 raise
         return row.vm_id, {"deleted": row.vm_id}, None
     except VgpuCtlError as exc:
@@ -149,4 +161,4 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
 
 
 __all__ = ["KINDS", "OPERATION", "OperationInfo", "execute", "finish", "get", "list_operations", "orphaned",
-           "principal_of", "renew", "submit", "take"]
+           "own", "principal_of", "renew", "submit", "take_over"]

@@ -267,6 +267,7 @@ class Operation(SQLModel, table=True):
     error: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     lease_holder: str | None = None
     lease_expires: datetime | None = None
+    attempts: int = 0  # how many workers have taken it (more than one: a takeover after a worker died)
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime | None = None

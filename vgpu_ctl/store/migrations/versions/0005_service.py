@@ -81,6 +81,7 @@ def upgrade() -> None:
                     sa.Column('error', sa.JSON(), nullable=True),
                     sa.Column('lease_holder', sa.String(), nullable=True),
                     sa.Column('lease_expires', sqlmodel.sql.sqltypes.UTCDateTime(), nullable=True),
+                    sa.Column('attempts', sa.Integer(), nullable=False),
                     sa.Column('created_at', sqlmodel.sql.sqltypes.UTCDateTime(), nullable=False),
                     sa.Column('updated_at', sqlmodel.sql.sqltypes.UTCDateTime(), nullable=False),
                     sa.Column('finished_at', sqlmodel.sql.sqltypes.UTCDateTime(), nullable=True),
