@@ -50,7 +50,6 @@ Usage: bench_packing.py TRACE_DIR [--seeds 42..44 (default: 3 seeds; the paper's
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -67,8 +66,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from vgpu_ctl.catalog import Catalog, ProfileKind, load_catalog
-from vgpu_ctl.core.geometry import Geometry, Misfit, Mode, Occupancy, geometry_for
+from vgpu_ctl.catalog import Catalog, load_catalog
+from vgpu_ctl.core.geometry import Misfit, Occupancy, geometry_for
 from vgpu_ctl.core.placement import (
     GpuView,
     HostView,
@@ -81,17 +80,11 @@ from vgpu_ctl.core.placement import (
     plan,
     plan_on_host,
 )
+from vgpu_ctl.planning import trace as trace_files
+from vgpu_ctl.planning.trace import MODEL_MAP, Node, Task, mode_of, profile_for
 
-# Trace model -> catalog model.
-MODEL_MAP: dict[str, str] = {
-    "G2": "A100-80GB",
-    "G3": "H100-80GB",
-    "T4": "T4",
-    "P100": "V100-16GB",
-    "V100M16": "V100-16GB",
-    "V100M32": "V100-32GB",
-    "A10": "A10",
-}
+__all__ = ["MODEL_MAP", "Node", "Task", "mode_of", "profile_for"]  # the trace's parsing, shared with the planner
+
 # Generated from the default trace (see `restrict_to_models`): name -> (share of GPU tasks restricted to one model,
 # whether the model is drawn by its share of the cluster's GPUs or of its nodes).
 GPUSPEC: dict[str, tuple[float, str]] = {"gpuspec20": (0.20, "gpus"), "gpuspec33": (0.33, "gpus"),
@@ -107,48 +100,10 @@ ARRIVED_MEASURE = 1.0  # measure when the arrived GPU request is this share of c
 ARRIVED_END = 1.3  # ... and stop when it reaches this share
 
 
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One trace node: CPU in milli-vCPUs, memory in MiB, GPU count, catalog model."""
-
-    name: str
-    cpu_milli: int
-    memory_mib: int
-    gpus: int
-    model: str
-
-
-@dataclass(frozen=True, slots=True)
-class Task:
-    """One trace task: CPU in milli-vCPUs, memory in MiB, GPUs and the share of each, allowed catalog models."""
-
-    name: str
-    cpu_milli: int
-    memory_mib: int
-    num_gpu: int
-    gpu_milli: int
-    models: frozenset[str] | None = None  # None: any model
-
-    @property
-    def gpu_request(self) -> float:
-        """The task's GPU request in GPUs."""
-        return self.num_gpu * self.gpu_milli / 1000
-
-
 def load_nodes(trace_dir: Path, limit: int | None = None, raw: bool = False) -> list[Node]:
     """The trace's GPU nodes in file order (the first `limit` of them if given), with catalog models (raw: the
-    trace's model names)."""
-    nodes: list[Node] = []
-    with (trace_dir / "openb_node_list_gpu_node.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
-            model = row["model"]
-            if model not in MODEL_MAP:
-                raise SystemExit(f"node {row['sn']}: unknown GPU model {model!r} (known: {', '.join(MODEL_MAP)})")
-            nodes.append(Node(row["sn"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["gpu"]),
-                              model if raw else MODEL_MAP[model]))
-            if limit is not None and len(nodes) >= limit:
-                break
-    return nodes
+    trace's model names); read by vgpu_ctl.planning.trace, which the planner shares."""
+    return trace_files.load_nodes(trace_dir / "openb_node_list_gpu_node.csv", limit, raw)
 
 
 def load_tasks(trace_dir: Path, trace: str) -> list[Task]:
@@ -158,14 +113,7 @@ def load_tasks(trace_dir: Path, trace: str) -> list[Task]:
         share, by = GPUSPEC[trace]
         return restrict_to_models(load_tasks(trace_dir, "default"), load_nodes(trace_dir, None, raw=True),
                                   share, trace, by)
-    tasks: list[Task] = []
-    with (trace_dir / f"openb_pod_list_{trace}.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
-            spec = (row.get("gpu_spec") or "").strip()
-            models = frozenset(MODEL_MAP[m] for m in spec.split("|") if m in MODEL_MAP) if spec else None
-            tasks.append(Task(row["name"], int(row["cpu_milli"]), int(row["memory_mib"]), int(row["num_gpu"]),
-                              int(row["gpu_milli"]), models))
-    return tasks
+    return trace_files.load_tasks(trace_dir / f"openb_pod_list_{trace}.csv")
 
 
 def restrict_to_models(tasks: Sequence[Task], nodes: Sequence[Node], share: float, name: str,
@@ -214,34 +162,6 @@ def arrival_sequence(tasks: Sequence[Task], capacity: int, seed: int) -> list[Ta
         out.append(t)
         arrived += t.gpu_request
     return out
-
-
-def mode_of(catalog: Catalog, model: str, run_mode: str) -> Mode:
-    """The mode a GPU of `model` runs in during a `run_mode` run: models lacking the mode stay vgpu-equal."""
-    spec = catalog.model(model)
-    if run_mode == Mode.VGPU_MIXED and spec.mixed_size:
-        return Mode.VGPU_MIXED
-    if run_mode == Mode.MIG and spec.mig is not None:
-        return Mode.MIG
-    return Mode.VGPU_EQUAL
-
-
-def profile_for(catalog: Catalog, geometry: Geometry, gpu_milli: int) -> str | None:
-    """The smallest profile of `geometry` whose memory share (and MIG compute share) is >= gpu_milli / 1000."""
-    memory = catalog.model(geometry.model).memory_mib
-    kind = ProfileKind.MIG if geometry.mode is Mode.MIG else ProfileKind.VGPU
-    best: tuple[tuple[int, int, int, str], str] | None = None
-    for shape in geometry.shapes.values():
-        if shape.kind is not kind or shape.media:
-            continue
-        if shape.framebuffer_mib * 1000 < gpu_milli * memory:
-            continue
-        if geometry.compute_capacity is not None and shape.compute * 1000 < gpu_milli * geometry.compute_capacity:
-            continue
-        key = (shape.size, shape.compute, shape.framebuffer_mib, shape.profile)
-        if best is None or key < best[0]:
-            best = (key, shape.profile)
-    return best[1] if best else None
 
 
 _MISFIT: dict[tuple[Occupancy, str], Misfit | None] = {}
