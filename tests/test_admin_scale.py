@@ -98,7 +98,29 @@ def test_tenant_sees_no_summary_and_no_gpu_rows(store: Store) -> None:
 def test_the_c_loader_is_used_when_pyyaml_has_it() -> None:
     if not getattr(yaml, "__with_libyaml__", False):
         pytest.skip("PyYAML built without libyaml")
-    assert inventory_mod._LOADER is yaml.CSafeLoader
+    assert issubclass(inventory_mod._LOADER, yaml.CSafeLoader)
+
+
+@pytest.mark.parametrize("text", [
+    "a: &x {b: 1}\nc: *x\n", "a: &x [1, *x]\n", "<<: {a: 1}\nb: 2\n", "? [1]\n: 2\n", "a: !foo 1\n",
+    "a: 2020-01-01\nb: !!binary aGk=\n", "a: [1, 2.5, true, null, ~, .inf, 0x1f, '1', \"x\"]\n", "!!set {a, b}\n",
+    "- !!str 1\n- {a: {b: [c, {d: e}]}}\n", "{}", "x",
+])
+def test_the_plain_builder_gives_what_pyyaml_gives(text: str) -> None:
+    def load(loader: type[yaml.SafeLoader]) -> object:
+        try:
+            return yaml.load(text, Loader=loader)
+        except yaml.YAMLError as exc:
+            return type(exc)
+
+    ours, theirs = load(inventory_mod._LOADER), load(inventory_mod._BASE_LOADER)
+    if isinstance(theirs, dict) and theirs.get("a") is not None and isinstance(theirs["a"], list) \
+            and theirs["a"] and theirs["a"][-1] is theirs["a"]:  # the recursive list: same shape
+        assert isinstance(ours, dict) and ours["a"][-1] is ours["a"]
+        return
+    assert ours == theirs
+    if isinstance(theirs, dict) and "c" in theirs and theirs.get("a") is theirs.get("c"):
+        assert isinstance(ours, dict) and ours["a"] is ours["c"]  # an alias is one shared object, as in PyYAML
 
 
 BROKEN_SYNTAX = """pools:
