@@ -551,9 +551,10 @@ def test_candidate_order_is_declared_by_the_policy(acme: Controller, tmp_path: P
     assert used in gpus
     assert _candidate_ids(ctl, "inference", "1g.10gb")[0] == used  # pack: fullest first
 
-    emptiest = placement.Policy("emptiest", placement.POLICIES["first-fit"]().score,
+    emptiest = placement.Policy("emptiest", placement.get_policy("first-fit").score,
                                 placement.CandidateOrder.EMPTIEST_FIRST)
-    monkeypatch.setitem(placement.POLICIES, "emptiest", lambda _demand=None: emptiest)
+    monkeypatch.setitem(placement.POLICIES, "emptiest",
+                        placement.PolicyDef("emptiest", "test", lambda _demand=None, _supply=None: emptiest))
     edited = write_inventory(tmp_path, DEMO.read_text().replace(
         "  - name: inference\n    policy: pack\n", "  - name: inference\n    policy: emptiest\n"), "e.yaml")
     ctl.apply_inventory(edited)
