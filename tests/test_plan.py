@@ -221,3 +221,21 @@ def test_scaled_demand_keeps_shapes_and_order() -> None:
     assert half.vms == round(0.5 * d.vms) and sum(half.counts) == half.vms
     with pytest.raises(InvalidInput, match="field scale"):
         scaled(d, -1)
+
+
+def test_from_store_on_a_missing_store_creates_nothing(tmp_path: Path) -> None:
+    from vgpu_ctl.cli.main import app
+    db = tmp_path / "none.db"
+    result = CliRunner().invoke(app, ["--db", f"sqlite:///{db}", "plan", "--demand", str(DEMAND), "--from-store",
+                                      "-o", "json"])
+    assert result.exit_code == 2, result.output
+    assert "no store there" in json.loads(result.stdout)["error"]["message"]
+    assert not db.exists()
+
+
+def test_a_draining_host_is_its_own_cause(cli: Cli, tmp_path: Path) -> None:
+    cli.json("host", "cordon", "kvm-l40s-01")
+    out = cli.json("plan", "--demand", str(DEMAND), "--from-store")
+    ws = next(r for r in out["requests"] if "@workstations" in r["shape"])
+    assert ws["placed"] == 0 and "cordoned (draining) host" in ws["reason"]
+    assert out["stranded"]["hosts draining or down"] == pytest.approx(2.0)

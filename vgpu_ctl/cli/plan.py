@@ -55,8 +55,10 @@ def _fleet(catalog: Any, fleet: Path | None, from_store: bool, gpus: int | None,
         if fleet.suffix.lower() == ".csv":
             return fleet_from_trace(fleet, catalog, fleet_mode, gpus)
         return fleet_from_inventory(fleet, catalog)
-    from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
+    from vgpu_ctl.cli.common import STATE
+    from vgpu_ctl.service.fleet_snapshot import fleet_snapshot, require_store
 
+    require_store(STATE.db)
     ctl = open_controller(init=False)
     try:
         return fleet_snapshot(ctl)

@@ -79,8 +79,8 @@ def templates(catalog: Catalog, fleet: Fleet, asks: Sequence[Ask]) -> list[Templ
             gpus = tuple(PlanGpu(x.pci, x.model, x.pool, Occupancy(x.occupancy.geometry, (), x.occupancy.pinned_type,
                                                                    x.occupancy.fixed_layout))
                          for x in h.gpus if (x.pool, x.model) == key)
-            out.append(Template(f"{g.model}@{g.pool or '-'}", PlanHost("new", h.vcpus, h.memory_mib, h.vcpus,
-                                                                       h.memory_mib, gpus), f"fleet host {h.name}"))
+            new = PlanHost("new", h.vcpus, h.memory_mib, h.vcpus, h.memory_mib, gpus, "active", h.labels)
+            out.append(Template(f"{g.model}@{g.pool or '-'}", new, f"fleet host {h.name}"))
     vcpus = max((h.vcpus for h in fleet.hosts), default=128.0)
     memory = max((h.memory_mib for h in fleet.hosts), default=float(1 << 20))
     for a in asks:

@@ -4,7 +4,7 @@ After a replay, each GPU's free units are put under one cause, judged against th
 may use the GPU (its pool and model):
 - usable: some shape fits there now, on a host with the vCPUs and memory for it (not stranded);
 - hosts short of vCPUs or memory: some shape's profile fits on the GPU, but the host lacks room for every such
-  shape;
+  shape; hosts draining or down: it fits, but the host takes no new VMs;
 - MIG holes / mixed-size slots / equal-size type lock: no shape's profile fits in what is left (MIG starts and
   slices, mixed-size placement ids, an equal-size GPU locked to another type or with too little left);
 - carving offers none of the demand: the GPU's mode offers no profile any shape may use (e.g. a passthrough GPU
@@ -26,13 +26,14 @@ from vgpu_ctl.planning.replay import resolve
 
 USABLE = "usable"
 SHORT = "hosts short of vCPUs or memory"
+INACTIVE = "hosts draining or down"
 ROUNDING = "rounding to a profile"
 BY_MODE = {Mode.MIG: "MIG holes", Mode.VGPU_MIXED: "mixed-size slots", Mode.VGPU_EQUAL: "equal-size type lock",
            Mode.PASSTHROUGH: "passthrough GPU in use", Mode.UNMANAGED: "unmanaged GPU"}
 NO_OFFER = "carving offers none of the demand"
 NOT_ASKED = "nothing asked for"
-CAUSES = (ROUNDING, BY_MODE[Mode.MIG], BY_MODE[Mode.VGPU_MIXED], BY_MODE[Mode.VGPU_EQUAL], SHORT, NO_OFFER,
-          NOT_ASKED, USABLE)
+CAUSES = (ROUNDING, BY_MODE[Mode.MIG], BY_MODE[Mode.VGPU_MIXED], BY_MODE[Mode.VGPU_EQUAL], SHORT, INACTIVE,
+          NO_OFFER, NOT_ASKED, USABLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,9 @@ def _cause(catalog: Catalog, occ: Occupancy, pool: str | None, model: str, vcpus
     fitting = [a for a, p in offered if occ.misfit(p) is None]
     if not fitting:
         return BY_MODE[occ.geometry.mode]
-    if state == "active" and any(a.vcpus <= vcpus + 1e-9 and a.memory_mib <= memory for a in fitting):
+    if state != "active":
+        return INACTIVE
+    if any(a.vcpus <= vcpus + 1e-9 and a.memory_mib <= memory for a in fitting):
         return USABLE
     return SHORT
 

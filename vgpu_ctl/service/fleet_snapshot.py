@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from vgpu_ctl.errors import PermissionDenied
+from vgpu_ctl.errors import InvalidInput, PermissionDenied
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu, PlanHost
 from vgpu_ctl.service.allocation import GPU, HOST, occupancy_of
+from vgpu_ctl.store.engine import default_url
 from vgpu_ctl.store.models import Pool
+from vgpu_ctl.store.urls import shown
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 POOL = Pool.__table__  # type: ignore[attr-defined]
+
+
+def require_store(url: str | None) -> None:
+    """InvalidInput when `url` (None: the default store) is a SQLite file that does not exist: opening it would
+    create an empty store, and planning must leave no trace."""
+    text = url or default_url()
+    try:
+        parsed = make_url(text)
+    except ArgumentError:
+        return  # the Controller names what is wrong with the URL
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") and \
+            not Path(parsed.database).exists():
+        raise InvalidInput(f"--db {shown(text)}: no store there (field db): --from-store plans on an existing store "
+                           "(vgpuctl init, then inventory apply)", reasons=[{"field": "db", "value": shown(text)}])
 
 
 def fleet_snapshot(ctl: Controller) -> Fleet:
@@ -23,6 +42,15 @@ def fleet_snapshot(ctl: Controller) -> Fleet:
     if not ctl.principal.is_admin:
         raise PermissionDenied(f"planning on the store is an admin command; tenant {ctl.principal.tenant!r} may not "
                                "run it")
+    try:
+        return _read(ctl)
+    except SQLAlchemyError as exc:
+        detail = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InvalidInput(f"the store can't be read for planning: {detail} (has `vgpuctl init` been run?)",
+                           reasons=[{"field": "db", "error": detail}]) from None
+
+
+def _read(ctl: Controller) -> Fleet:
     with ctl.engine.connect() as conn:
         pools = {r.id: r.name for r in conn.execute(select(POOL.c.id, POOL.c.name))}
         gpus: dict[int, list[PlanGpu]] = {}
