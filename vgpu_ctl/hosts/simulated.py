@@ -1,4 +1,10 @@
-"""A simulated host: devices and domains in a JSON file; domain XML still goes through libvirt's parser."""
+"""A simulated host: devices and domains in a JSON file; domain XML still goes through libvirt's parser.
+
+For tests only, `VGPU_CTL_SIM_HOLD=STEP=PATH[,STEP=PATH...]` holds a step (create_device, define_domain,
+start_domain, stop_domain, remove_device, undefine_domain) before it acts, for as long as the file PATH exists,
+and creates `PATH.waiting` while it waits: a test makes a server's operation stop at a known point, kills or
+signals the server there, then lets the step go by removing PATH. Unset, nothing waits.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -24,6 +31,22 @@ _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0000:41:00.4)
 
 State = dict[str, dict[str, dict[str, Any]]]
+HOLD_ENV = "VGPU_CTL_SIM_HOLD"
+
+
+def _hold(step: str) -> None:
+    """Wait before `step` while the gate file named for it in VGPU_CTL_SIM_HOLD exists (tests only)."""
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        return
+    gates = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    gate = gates.get(step)
+    if gate is None:
+        return
+    waiting = Path(f"{gate}.waiting")
+    while os.path.exists(gate):
+        waiting.touch()
+        time.sleep(0.02)
 
 
 @lru_cache(maxsize=1)
@@ -70,6 +93,7 @@ class SimulatedHost:
 
     def create_device(self, spec: DeviceSpec) -> DeviceHandle:
         """Record the device (idempotent: an existing one with this uuid is returned)."""
+        _hold("create_device")
         with self._state(write=True) as state:
             devices = state["devices"]
             if spec.uuid not in devices:
@@ -97,6 +121,7 @@ class SimulatedHost:
 
     def remove_device(self, spec: DeviceSpec) -> None:
         """Forget the device (idempotent: absent is fine)."""
+        _hold("remove_device")
         with self._state(write=True) as state:
             state["devices"].pop(spec.uuid, None)
 
@@ -110,6 +135,7 @@ class SimulatedHost:
 
     def define_domain(self, xml: str) -> str:
         """Check the XML with libvirt's parser, then record (or redefine) the domain; returns its UUID."""
+        _hold("define_domain")
         conn = _parser_connection()
         try:
             dom = conn.defineXML(xml)
@@ -135,6 +161,7 @@ class SimulatedHost:
 
     def start_domain(self, name: str) -> None:
         """Mark the domain running (idempotent); like libvirt, refuses when one of its mdevs is missing."""
+        _hold("start_domain")
         with self._state(write=True) as state:
             dom = state["domains"].get(name)
             if dom is None:
@@ -148,6 +175,7 @@ class SimulatedHost:
 
     def stop_domain(self, name: str, force: bool = False) -> None:
         """Mark the domain stopped (idempotent: stopped or absent is fine)."""
+        _hold("stop_domain")
         with self._state(write=True) as state:
             dom = state["domains"].get(name)
             if dom is not None:
@@ -155,6 +183,7 @@ class SimulatedHost:
 
     def undefine_domain(self, name: str) -> None:
         """Forget the domain (idempotent: absent is fine)."""
+        _hold("undefine_domain")
         with self._state(write=True) as state:
             state["domains"].pop(name, None)
 
