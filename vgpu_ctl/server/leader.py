@@ -5,6 +5,7 @@ machine; the kernel drops it when the process dies)."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 from pathlib import Path
 from typing import Protocol
@@ -12,7 +13,14 @@ from typing import Protocol
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
-LOCK_KEY = 0x76677075  # "vgpu": the advisory lock's key, the same for every replica of a store
+LOCK_KEY = 0x76677075  # "vgpu": the advisory lock's key space, the same for every replica of a store
+
+
+def lock_key(schema: str) -> int:
+    """The advisory lock's key for the store in `schema`: advisory locks are per database, and two stores in
+    two schemas of one database (two deployments, or parallel tests) must not share a leader."""
+    digest = hashlib.blake2b(f"{LOCK_KEY}:{schema}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)  # a bigint, as pg_try_advisory_lock takes
 
 
 class Elector(Protocol):
@@ -33,18 +41,22 @@ class AdvisoryLockElector:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._conn: Connection | None = None
+        self._key: int | None = None
 
     def try_lead(self) -> bool:
         """Take the lock if free (or check it is still held); whether this process holds it."""
         if self._conn is not None:
             try:
                 self._conn.execute(text("SELECT 1"))
+                self._conn.commit()  # never left idle in a transaction (a server may time those out)
                 return True
             except Exception:  # the connection died: the server released the lock with it
                 self.resign()
         conn = self._engine.connect()
         try:
-            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LOCK_KEY}).scalar())
+            if self._key is None:
+                self._key = lock_key(str(conn.execute(text("SELECT current_schema()")).scalar()))
+            got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self._key}).scalar())
             conn.commit()
         except Exception:
             conn.close()
@@ -60,7 +72,7 @@ class AdvisoryLockElector:
         if self._conn is None:
             return
         try:
-            self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LOCK_KEY})
+            self._conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._key})
             self._conn.commit()
         except Exception:
             pass
