@@ -64,13 +64,11 @@ def serve(listen: str = typer.Option(None, "--listen", help="HOST:PORT to listen
                     setattr(cfg, key, value)
             cfg.check()
         host, port = cfg.host_port()
-        from vgpu_ctl.server.app import create_app
-        from vgpu_ctl.server.runtime import Runtime
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        Runtime(cfg).close()  # open (and upgrade) the store once now, so that a bad one fails before listening
-    import uvicorn
-    uvicorn.run(create_app(lambda: Runtime(cfg)), host=host, port=port, log_level=log_level,
-                ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key, timeout_graceful_shutdown=int(cfg.drain_timeout_s))
+        from vgpu_ctl.server.runtime import open_store
+        open_store(cfg).close()  # open (and upgrade) the store once now, so that a bad one fails before listening
+    from vgpu_ctl.server.serving import serve_until_drained
+    raise typer.Exit(serve_until_drained(cfg, host, port, log_level))
 
 
 @token_app.command("create")

@@ -28,8 +28,17 @@ def server_metrics(rt: Runtime) -> str:
               "# HELP vgpu_reconcile_findings_total Differences the reconcile loop found.",
               "# TYPE vgpu_reconcile_findings_total counter",
               f"vgpu_reconcile_findings_total {s.reconcile_findings}",
+              "# HELP vgpu_reconcile_fixed_total Findings the reconcile loop repaired.",
+              "# TYPE vgpu_reconcile_fixed_total counter", f"vgpu_reconcile_fixed_total {s.reconcile_fixed}",
               "# HELP vgpu_reconcile_unfixed Findings of the loop's last run it could not fix.",
               "# TYPE vgpu_reconcile_unfixed gauge", f"vgpu_reconcile_unfixed {s.reconcile_unfixed}",
               "# HELP vgpu_reconcile_errors_total Reconcile runs that failed.",
-              "# TYPE vgpu_reconcile_errors_total counter", f"vgpu_reconcile_errors_total {s.reconcile_errors}"]
+              "# TYPE vgpu_reconcile_errors_total counter", f"vgpu_reconcile_errors_total {s.reconcile_errors}",
+              "# HELP vgpu_reconcile_last_run_timestamp_seconds When the loop last ran (0: not yet).",
+              "# TYPE vgpu_reconcile_last_run_timestamp_seconds gauge",
+              f"vgpu_reconcile_last_run_timestamp_seconds {s.last_reconcile or 0:.3f}",
+              "# HELP vgpu_server_draining Whether this replica drains (SIGTERM): new operations are refused.",
+              "# TYPE vgpu_server_draining gauge", f"vgpu_server_draining {int(not rt.accepting)}",
+              "# HELP vgpu_server_operations_in_flight Operations queued or running on this replica's workers.",
+              "# TYPE vgpu_server_operations_in_flight gauge", f"vgpu_server_operations_in_flight {rt.in_flight}"]
     return "\n".join(lines) + "\n"

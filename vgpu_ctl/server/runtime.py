@@ -39,10 +39,20 @@ class LoopStats:
     operations_recovered: int = 0
     reconcile_runs: int = 0
     reconcile_findings: int = 0
+    reconcile_fixed: int = 0
     reconcile_unfixed: int = 0
     reconcile_errors: int = 0
     last_reconcile: float | None = None
+    leader_since: float | None = None  # when this replica last became leader (time.time())
     operations_run: dict[str, int] = field(default_factory=dict)  # by final state
+
+
+def open_store(cfg: ServerConfig) -> ServiceContext:
+    """The store of `cfg`, opened (and upgraded to the schema's head) as the server opens it: `store`, else
+    the SQLite file `vgpu-ctl.db` in `state_dir` when that is set, else the default store."""
+    state = Path(cfg.state_dir) if cfg.state_dir else None
+    url = cfg.store if cfg.store is not None or state is None else f"sqlite:///{state / 'vgpu-ctl.db'}"
+    return ServiceContext(url, state_path=state, schema="upgrade")
 
 
 class Runtime:
@@ -51,16 +61,18 @@ class Runtime:
 
     def __init__(self, cfg: ServerConfig, context: ServiceContext | None = None) -> None:
         self.cfg = cfg
-        self.ctx = context or ServiceContext(cfg.store, state_path=Path(cfg.state_dir) if cfg.state_dir else None,
-                                             schema="upgrade")
+        self.ctx = context or open_store(cfg)
         self.server = Controller(context=self.ctx, principal=Principal("server"))
         self.holder = new_holder()
         self.stats = LoopStats()
         self._pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="vgpu-op")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified whenever an operation of this process ends
         self._mine: set[str] = set()  # operations queued or running here
         self._finished: dict[str, threading.Event] = {}
         self._accepting = True
+        self._closed = False
+        self.drained: bool | None = None  # after close: whether every operation of this process had ended
         self._stop = threading.Event()
         self._elector: Elector = elector_for(self.ctx.engine, self.ctx.state_path)
         self.leading = False
@@ -80,10 +92,17 @@ class Runtime:
         """False once the server drains (SIGTERM): new long work is refused."""
         return self._accepting
 
-    def dispatch(self, op_id: str) -> None:
-        """Run the operation on a worker thread (once per process)."""
+    @property
+    def in_flight(self) -> int:
+        """Operations queued or running on this process's workers."""
         with self._lock:
-            if op_id in self._mine or not self._accepting:
+            return len(self._mine)
+
+    def dispatch(self, op_id: str) -> None:
+        """Run the operation on a worker thread (once per process). While draining, an operation accepted just
+        before the drain began still runs (the drain waits for it); after close, nothing does."""
+        with self._lock:
+            if op_id in self._mine or self._closed:
                 return
             self._mine.add(op_id)
             self._finished.setdefault(op_id, threading.Event())
@@ -105,6 +124,7 @@ class Runtime:
             with self._lock:
                 self._mine.discard(op_id)
                 done = self._finished.pop(op_id, None)
+                self._idle.notify_all()
             if done is not None:
                 done.set()
 
@@ -141,8 +161,14 @@ class Runtime:
         next_reconcile = time.monotonic() + min(self.cfg.reconcile_interval_s, 5.0)
         while not self._stop.is_set():
             try:
-                self.leading = self._elector.try_lead()
-                if self.leading:
+                leading = self._elector.try_lead()
+                if leading and not self.leading:
+                    self.stats.leader_since = time.time()
+                    log.info("leading: this replica runs the recovery and reconcile loops")
+                elif self.leading and not leading:
+                    log.warning("no longer leading")
+                self.leading = leading
+                if self.leading and self._accepting:
                     self._heartbeat()
                     self._recover()
                     if self.cfg.reconcile_interval_s > 0 and time.monotonic() >= next_reconcile:
@@ -166,7 +192,7 @@ class Runtime:
             left = ops.orphaned(conn)
         for op_id in left:
             with self._lock:
-                if op_id in self._mine:
+                if op_id in self._mine or not self._accepting:
                     continue
             log.info("taking over operation %s", op_id)
             self.stats.operations_recovered += 1
@@ -183,7 +209,11 @@ class Runtime:
             log.warning("reconcile failed", exc_info=True)
             return
         self.stats.reconcile_findings += len(report.findings)
+        self.stats.reconcile_fixed += sum(f.fixed for f in report.findings)
         self.stats.reconcile_unfixed = sum(not f.fixed for f in report.findings)
+        if report.findings:
+            log.info("reconcile: %d findings, %d fixed", len(report.findings),
+                     sum(f.fixed for f in report.findings))
 
     def leader(self) -> dict[str, object] | None:
         """The leader as the store knows it (holder, address, until), if its lease runs."""
@@ -211,14 +241,31 @@ class Runtime:
 
     # -- shutdown ---------------------------------------------------------------------------------------------
 
-    def close(self, on_drained: Callable[[], None] | None = None) -> None:
-        """Drain: accept no new work, let running operations finish (up to drain_timeout_s; what is left
-        stays leased to this process and is taken over by the next leader), stop the loops, close the store."""
+    def drain(self, timeout: float) -> bool:
+        """Accept no new work (new VM creates and deletes get 503 `draining`, the leader takes over no more
+        operations) and wait up to `timeout` seconds for the operations queued or running here to end;
+        whether they all did. The API keeps answering meanwhile, so callers can read their operations."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._accepting = False
-        drained = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True, "cancel_futures": True})
-        drained.start()
-        drained.join(self.cfg.drain_timeout_s)
+            if self._mine:
+                log.info("draining: waiting for %d operation(s) (at most %.0fs)", len(self._mine), timeout)
+            while self._mine:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("drain timed out with %d operation(s) still running: the next leader takes "
+                                "them over once this process is gone", len(self._mine))
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, on_drained: Callable[[], None] | None = None) -> None:
+        """Drain (see `drain`, up to drain_timeout_s; what is left stays leased to this process and is taken
+        over by the next leader once it is gone), stop the loops, give up leadership, close the store."""
+        self.drained = self.drain(self.cfg.drain_timeout_s)
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         for t in self._threads:
             t.join(5)
@@ -232,4 +279,5 @@ class Runtime:
         self._elector.resign()
         if on_drained is not None:
             on_drained()
-        self.ctx.close()
+        if self.drained:  # else a worker still uses the store: the process exits without closing it
+            self.ctx.close()
