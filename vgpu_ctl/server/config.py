@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -11,6 +12,10 @@ from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
 
 METRICS_ACCESS = ("token", "loopback", "open")
+_TEXT = ("listen", "store", "state_dir", "tls_cert", "tls_key", "metrics_access")
+_OPTIONAL = ("store", "state_dir", "tls_cert", "tls_key")
+_SECONDS = ("operation_lease_s", "reconcile_interval_s", "recovery_interval_s", "idempotency_ttl_s",
+            "drain_timeout_s")
 
 
 @dataclass
@@ -32,6 +37,9 @@ class ServerConfig:
 
     def host_port(self) -> tuple[str, int]:
         """The address and port of `listen`; InvalidInput naming the field otherwise."""
+        if not isinstance(self.listen, str):
+            raise InvalidInput(f"listen {self.listen!r} must be a string HOST:PORT (e.g. \"127.0.0.1:8730\")",
+                               reasons=[{"field": "listen", "value": self.listen}])
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise InvalidInput(f"listen {self.listen!r} must be HOST:PORT (e.g. 127.0.0.1:8730)",
@@ -41,14 +49,24 @@ class ServerConfig:
 
     def check(self) -> ServerConfig:
         """InvalidInput naming the first bad setting; else itself."""
+        for name in _TEXT:
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (value is None and name in _OPTIONAL):
+                raise InvalidInput(f"{name} {value!r} must be a string", reasons=[{"field": name, "value": value}])
+            if isinstance(value, str) and name in _OPTIONAL and not value:
+                raise InvalidInput(f"{name} must not be empty (leave it out for the default)",
+                                   reasons=[{"field": name, "value": value}])
         self.host_port()
         check_int("workers", self.workers, 1, 256)
-        for name in ("operation_lease_s", "reconcile_interval_s", "recovery_interval_s", "idempotency_ttl_s",
-                     "drain_timeout_s"):
+        for name in _SECONDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10**7:
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+                    or not 0 <= value <= 10**7:
                 raise InvalidInput(f"{name} {value!r} must be a number of seconds from 0 to 10000000",
                                    reasons=[{"field": name, "value": value}])
+        if self.recovery_interval_s < 0.1:
+            raise InvalidInput(f"recovery_interval_s {self.recovery_interval_s!r} must be at least 0.1",
+                               reasons=[{"field": "recovery_interval_s", "value": self.recovery_interval_s}])
         if self.operation_lease_s < 1:
             raise InvalidInput(f"operation_lease_s {self.operation_lease_s!r} must be at least 1",
                                reasons=[{"field": "operation_lease_s", "value": self.operation_lease_s}])
@@ -72,11 +90,17 @@ def load_config(path: Path, overrides: dict[str, Any]) -> ServerConfig:
         raise InvalidInput(f"config {str(path)!r} is not valid TOML: {exc}",
                            reasons=[{"field": "config", "value": str(path)}]) from None
     table = data.get("server", data)
+    if not isinstance(table, dict):
+        raise InvalidInput(f"config {str(path)!r}: server must be a table ([server])",
+                           reasons=[{"field": "server", "value": table}])
     known = {f.name for f in fields(ServerConfig)}
-    for key in table:
-        if key not in known:
-            raise InvalidInput(f"config {str(path)!r}: unknown setting {key!r} (known: {', '.join(sorted(known))})",
-                               reasons=[{"field": key, "value": table[key]}])
+    outside = [k for k in data if k != "server"] if "server" in data else []
+    for key in [*outside, *table]:
+        if key in outside or key not in known:
+            where = " outside [server]" if key in outside else ""
+            raise InvalidInput(f"config {str(path)!r}: unknown setting {key!r}{where} "
+                               f"(known: {', '.join(sorted(known))})",
+                               reasons=[{"field": key, "value": data[key] if key in outside else table[key]}])
     cfg = ServerConfig(**table)
     for key, value in overrides.items():
         if value is not None:
