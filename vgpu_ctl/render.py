@@ -14,8 +14,8 @@ import jinja2
 from lxml import etree
 from markupsafe import Markup, escape
 
+from vgpu_ctl.core.backings import DeviceBacking
 from vgpu_ctl.errors import HostError, InvalidInput
-from vgpu_ctl.hosts.protocol import DeviceBacking
 from vgpu_ctl.shipped import template_dir
 
 TEMPLATE_DIR = template_dir()  # templates/ of the checkout, or the copy inside an installed wheel

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Protocol
 
-
-class DeviceBacking(StrEnum):
-    """How a claimed device exists on the host."""
-
-    MDEV = "mdev"  # mediated device (legacy or SR-IOV VF parent), hostdev type='mdev'
-    VFIO_VF = "vfio-vf"  # vGPU 17+ vendor-specific VFIO: a VF with nvidia/current_vgpu_type set
-    MIG = "mig"  # a bare MIG GPU instance (+ compute instance), created through NVML
-    PCI = "pci"  # whole-GPU passthrough, hostdev type='pci' managed='yes'
+from vgpu_ctl.core.backings import DeviceBacking as DeviceBacking  # its home is the core; re-exported
 
 
 @dataclass(frozen=True)

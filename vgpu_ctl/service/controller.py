@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.catalog import Catalog, ProfileInfo
+from vgpu_ctl.core.backings import backing_for
 from vgpu_ctl.core.placement import (
     PlacementPlan,
     PlacementRequest,
@@ -722,8 +723,8 @@ class Controller:
         alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
         for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
             alloc.write_gpu(conn, gid, page.versions[gid], occ)
-        backing = {d.gpu_id: self._backing(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
-                                           page.backings[chosen.host_id]) for d in chosen.devices}
+        backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
+                                         page.backings[chosen.host_id]).value for d in chosen.devices}
         pcis = page.pcis
         placement_devices = tuple(PlacedDevice(f"{chosen.host}/{pcis[d.gpu_id]}", d.profile, d.start, d.size)
                                   for d in chosen.devices)
@@ -750,14 +751,6 @@ class Controller:
         return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
                       req.memory_mib, delta["framebuffer_mib"], devices,
                       simulated=page.simulated.get(chosen.host_id, False), generation=1)
-
-    @staticmethod
-    def _backing(kind: str, host_backing: str) -> str:
-        if kind == "passthrough":
-            return "pci"
-        if kind == "mig":
-            return "mig"
-        return "vfio-vf" if host_backing == "vfio" else "mdev"
 
     def _vm_row(self, conn: Connection, ref: str) -> Any:
         q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id)

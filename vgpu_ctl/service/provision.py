@@ -13,6 +13,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import ProfileKind
+from vgpu_ctl.core.backings import vgpu_backing
 from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, HOLDS_CLAIM, PROVISIONING, VmState
 from vgpu_ctl.errors import Conflict, HostError, NotFound, VgpuCtlError
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDriver
@@ -85,7 +86,7 @@ def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
     if kind is ProfileKind.MIG and host.driver != "simulated":
         vgpu = kvm_mig_type(ctl.catalog, dev.model, dev.profile)
         if vgpu is not None:
-            backing = DeviceBacking.VFIO_VF if host.vgpu_backing == "vfio" else DeviceBacking.MDEV
+            backing = vgpu_backing(host.vgpu_backing)
             type_name = vgpu.name
     mixed = profile is not None and kind is ProfileKind.VGPU and dev.start in (profile.mixed_placement_ids or ()) \
         and dev.gpu_mode == "vgpu-mixed"
