@@ -6,6 +6,7 @@ gone) is taken over by another with a compare-and-set on the lease (`attempts` c
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Collection, Mapping
 from datetime import datetime
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.engine import Connection
 
+from vgpu_ctl.core.vm_state import PROVISIONING
 from vgpu_ctl.errors import NotFound, VgpuCtlError
 from vgpu_ctl.service.leases import expiry, is_held
 from vgpu_ctl.service.principals import Principal
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 OPERATION = Operation.__table__  # type: ignore[attr-defined]
 KINDS = ("vm.create", "vm.delete")
 UNFINISHED = ("pending", "running")
+VM_WAIT_S = 600.0  # how long a create waits for a VM another process holds (its lease is 30 s, renewed as it works)
+VM_POLL_S = 0.5
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -141,14 +145,20 @@ def principal_of(conn: Connection, row: Any) -> Principal:
 def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
     """Do what the operation asks, as the principal who asked (`ctl` acts for it): (vm_id, result, error).
     A create is made idempotent by the operation's id, so running it again after a crash finishes the same VM
-    instead of making another; a delete of a VM that is gone has done its work."""
+    instead of making another; while another process still holds that VM's lease (a dead server on another
+    machine, until its lease runs out) the create waits and tries again, so that it ends with the VM running,
+    not half made. A delete of a VM that is gone has done its work."""
     req = dict(row.request)
     try:
         if row.kind == "vm.create":
             key = req.pop("idempotency_key", None) or f"op-{row.id}"
-            vm = ctl.request_vm(req.pop("tenant"), req.pop("name"), [(v["profile"], v["count"])
-                                                                    for v in req.pop("vgpus")],
-                                idempotency_key=key, **req)
+            tenant, name = req.pop("tenant"), req.pop("name")
+            vgpus = [(v["profile"], v["count"]) for v in req.pop("vgpus")]
+            vm = ctl.request_vm(tenant, name, vgpus, idempotency_key=key, **req)
+            deadline = time.monotonic() + VM_WAIT_S
+            while vm.state in PROVISIONING and time.monotonic() < deadline:
+                time.sleep(VM_POLL_S)
+                vm = ctl.request_vm(tenant, name, vgpus, idempotency_key=key, **req)
             return vm.id, vm.to_dict(), None
         try:
             ctl.release_vm(str(row.vm_id), if_generation=req.get("if_generation"))
