@@ -1,6 +1,7 @@
 """vgpu-ctl: pools of virtual GPUs on KVM hosts, handed to tenants' VMs under quotas.
 
-The public API: `Controller` and the types it takes and returns, and the errors it raises.
+The public API: `Controller` (on the store) and `Client` (on a `vgpuctl serve` server, over HTTP), which
+satisfy one protocol (`vgpu_ctl.api.VgpuApi`), the types they take and return, and the errors they raise.
 
 Only the errors are imported with the package; every other name is imported on first use (a module
 `__getattr__`), so `import vgpu_ctl` and the `vgpuctl` CLI start without loading the controller, SQLAlchemy,
@@ -28,6 +29,7 @@ from vgpu_ctl.errors import (
 
 if TYPE_CHECKING:
     from vgpu_ctl.catalog import Catalog, ProfileInfo, ProfileKind, load_catalog
+    from vgpu_ctl.client import Client
     from vgpu_ctl.core.geometry import Mode
     from vgpu_ctl.service.controller import Controller
     from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VgpuRequest, VmInfo
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 # name -> the module that defines it, imported when the name is first asked for
 _LAZY = {
     "Catalog": "vgpu_ctl.catalog",
+    "Client": "vgpu_ctl.client",
     "ProfileInfo": "vgpu_ctl.catalog",
     "ProfileKind": "vgpu_ctl.catalog",
     "load_catalog": "vgpu_ctl.catalog",
@@ -78,6 +81,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Catalog",
     "CatalogError",
+    "Client",
     "Conflict",
     "Controller",
     "DeviceInfo",

@@ -160,9 +160,10 @@ def events(request: Request, tenant: str | None = None, since: str | None = None
 
 
 @router.get("/doctor", summary="Consistency checks of the store")
-def doctor(request: Request) -> list[dict[str, Any]]:
-    """Every check of `vgpuctl doctor` with what it found (admin only)."""
-    return [r.to_dict() for r in diagnose(controller(request))]
+def doctor(request: Request, stuck_minutes: float = Query(10.0, gt=0, le=10**6)) -> list[dict[str, Any]]:
+    """Every check of `vgpuctl doctor` with what it found (admin only); a VM in an intermediate state longer
+    than `stuck_minutes` is reported as stuck."""
+    return [r.to_dict() for r in diagnose(controller(request), stuck_minutes)]
 
 
 @router.post("/reconcile", summary="Compare store and hosts; repair with fix")
