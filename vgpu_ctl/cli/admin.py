@@ -22,6 +22,7 @@ from vgpu_ctl.cli.common import (
     parse_mib,
     print_table,
     progress,
+    remote,
     run,
 )
 from vgpu_ctl.errors import InvalidInput
@@ -41,8 +42,11 @@ def profiles_list(model: str = typer.Option(None, help="Only this GPU model (e.g
     """List the profiles each GPU model offers."""
     from vgpu_ctl.catalog import load_catalog
     fmt = out_format(as_json, output)
-    with handled(fmt):
-        profiles = load_catalog().profiles(model)
+    if remote():  # the server's catalog, which its admin may have extended
+        profiles = run(fmt, lambda c: c.profiles(model))
+    else:
+        with handled(fmt):
+            profiles = load_catalog().profiles(model)
     if machine(fmt):
         emit(fmt, [p.to_dict() for p in profiles])
         return

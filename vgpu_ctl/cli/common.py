@@ -23,6 +23,8 @@ from typer.core import TyperGroup
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError
 
+TOKEN_ENV = "VGPU_CTL_TOKEN"  # as vgpu_ctl.service.controller.TOKEN_ENV (not imported: the remote CLI needs no store)
+
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 WIDE = 1000  # the console width of `-o wide`: a table as wide as its cells, nothing cut
@@ -48,6 +50,7 @@ class State:
     db: str | None = None
     token: str | None = None
     actor: str | None = None
+    server: str | None = None  # --server / $VGPU_CTL_SERVER: commands talk to that server, not to a store
 
 
 STATE = State()
@@ -97,10 +100,36 @@ def short_id(vm_id: str, fmt: Output | bool = Output.table) -> str:
 
 def open_controller(init: bool = True) -> Any:
     """The Controller for this invocation (admin, or the tenant of --token / $VGPU_CTL_TOKEN); InvalidInput
-    naming the URL and the accepted forms when the store URL is wrong or its store can't be opened."""
-    from vgpu_ctl.service.controller import TOKEN_ENV, Controller
+    naming the URL and the accepted forms when the store URL is wrong or its store can't be opened. With
+    --server (or $VGPU_CTL_SERVER), a Client of that server instead, with the same methods, results and
+    errors, acting as the holder of the token (which is then required)."""
     token = STATE.token if STATE.token is not None else os.environ.get(TOKEN_ENV)  # "" is refused, not admin
+    if STATE.server is not None:
+        if token is None:
+            raise InvalidInput(f"--server {STATE.server} needs a token: give --token (or set ${TOKEN_ENV}) to "
+                               "a tenant's token or an API token", reasons=[{"field": "token"}])
+        from vgpu_ctl.client import Client
+        return Client(STATE.server, token)
+    from vgpu_ctl.service.controller import Controller
     return Controller(STATE.db, token=token, actor=STATE.actor, init=init)
+
+
+def remote() -> bool:
+    """True when this invocation talks to a server (--server or $VGPU_CTL_SERVER), not to a store."""
+    return STATE.server is not None
+
+
+# Commands that work on the store (or the host) of this machine only: refused with --server, exit 2.
+LOCAL_ONLY = {("init",), ("serve",), ("agent",), ("db",), ("plan",), ("advise",), ("host", "check"),
+              ("host", "discover"), ("metrics", "serve")}
+
+
+def local_only_error(path: Sequence[str], server: str) -> InvalidInput:
+    """The error of a local-only command given --server: it names the command and --server."""
+    command = " ".join(path)
+    return InvalidInput(f"`vgpuctl {command}` works on this machine's store and hosts only, not through a "
+                        f"server: drop --server {server} (and unset $VGPU_CTL_SERVER) and run it where the store is",
+                        reasons=[{"field": "server", "value": server, "command": command}])
 
 
 def _reason_lines(exc: VgpuCtlError) -> list[str]:
@@ -224,6 +253,28 @@ class VgpuctlGroup(TyperGroup):
         except typer.Abort:
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command; with --server, a local-only one (LOCAL_ONLY) is refused first, exit 2."""
+        server = ctx.params.get("server")
+        args = [*ctx._protected_args, *ctx.args]
+        if server and "--help" not in args:
+            path = self._command_path(ctx, args)
+            if path[:1] in LOCAL_ONLY or path[:2] in LOCAL_ONLY:
+                fail(local_only_error(path, server), _asked_format(args) or Output.table)
+        return super().invoke(ctx)
+
+    def _command_path(self, ctx: Any, args: Sequence[str]) -> tuple[str, ...]:
+        """The command and, for a group, its subcommand that `args` name (e.g. ("db", "backup"))."""
+        if not args:
+            return ()
+        cmd = self.get_command(ctx, args[0])
+        if cmd is None:
+            return (args[0],)
+        if isinstance(cmd, TyperGroup):
+            leaf = next((a for a in args[1:] if not a.startswith("-")), None)
+            return (args[0], leaf) if leaf else (args[0],)
+        return (args[0],)
 
 
 class PipeClosed(Exception):

@@ -21,6 +21,7 @@ from vgpu_ctl.cli.common import (
     VgpuctlGroup,
     console,
     emit,
+    fail,
     machine,
     out_format,
     run,
@@ -31,6 +32,7 @@ from vgpu_ctl.cli.ops import register as register_ops
 from vgpu_ctl.cli.plan import register as register_plan
 from vgpu_ctl.cli.serve import serve, token_app
 from vgpu_ctl.cli.vm import vm_app
+from vgpu_ctl.errors import InvalidInput
 
 app = typer.Typer(help="vgpu-ctl: pools of NVIDIA vGPUs on KVM hosts, handed to tenants' VMs under quotas.",
                   no_args_is_help=True, pretty_exceptions_enable=False, cls=VgpuctlGroup)
@@ -62,13 +64,20 @@ def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
                                 help="Store URL: sqlite:///PATH or postgresql://USER@HOST/DB (default: SQLite "
                                      "under $VGPU_CTL_STATE_DIR or ~/.local/state/vgpu-ctl)."),
          token: str = typer.Option(None, "--token", help="Tenant API token (or $VGPU_CTL_TOKEN): act as that tenant."),
+         server: str = typer.Option(None, "--server", envvar="VGPU_CTL_SERVER",
+                                    help="URL of a vgpu-ctl server (vgpuctl serve), e.g. http://127.0.0.1:8730: "
+                                         "talk to it with --token instead of opening a store."),
          actor: str = typer.Option(None, "--actor", help="Name recorded in the audit trail."),
          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                       help="Print the version and exit.")) -> None:
     """Global options."""
+    if server is not None and db is not None:
+        fail(InvalidInput(f"give --db (a store on this machine) or --server (a server), not both: --db {db} "
+                          f"--server {server}", reasons=[{"field": "server", "value": server}]), Output.table)
     STATE.db = db
     STATE.token = token
     STATE.actor = actor
+    STATE.server = server
 
 
 @app.command("init")

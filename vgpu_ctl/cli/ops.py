@@ -30,6 +30,7 @@ from vgpu_ctl.cli.common import (
     parse_mib,
     print_table,
     progress,
+    remote,
     run,
 )
 from vgpu_ctl.errors import VgpuCtlError
@@ -155,6 +156,9 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
     page_size = (DEFAULT_PAGE if limit is None else limit) if rows else None
 
     def read(c: Any) -> dict[str, Any]:
+        if remote():
+            out: dict[str, Any] = c.status(pool, host, gpus=rows, limit=page_size, offset=offset)
+            return out
         return fleet_status(c, pool=pool, host=host, gpus=rows, limit=page_size, offset=offset)
 
     if watch is None:
@@ -219,8 +223,15 @@ def events(tenant: str = typer.Option(None, help="Only this tenant's events."),
            interval: float = typer.Option(1.0, min=0.1, max=60, help="With --follow: seconds between polls."),
            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """The audit trail: who did what to which object, when, with what result."""
-    from vgpu_ctl.ops.events import list_events
     fmt = out_format(as_json, output)
+
+    def list_events(c: Any, tenant: str | None, since: str | None, limit: int) -> list[dict[str, Any]]:
+        if remote():  # the server reads `since` as this command does
+            out: list[dict[str, Any]] = c.events(tenant, since, limit)
+            return out
+        from vgpu_ctl.ops.events import list_events as read
+        return read(c, tenant=tenant, since=since, limit=limit)
+
     if not follow:
         rows = run(fmt, lambda c: list_events(c, tenant=tenant, since=since, limit=limit))
         if machine(fmt):
@@ -264,17 +275,24 @@ def _print_event(e: dict[str, Any], fmt: Output) -> None:
 def doctor(stuck_minutes: float = typer.Option(10.0, help="Fail VMs in an intermediate state this long."),
            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Check the store's invariants; exit 1 and say how to fix it when any fails."""
-    from vgpu_ctl.ops.doctor import diagnose
     fmt = out_format(as_json, output)
-    results = run(fmt, lambda c: diagnose(c, stuck_minutes))
-    ok = all(r.ok for r in results)
+
+    def checks(c: Any) -> list[dict[str, Any]]:
+        if remote():
+            out: list[dict[str, Any]] = c.doctor(stuck_minutes)
+            return out
+        from vgpu_ctl.ops.doctor import diagnose
+        return [r.to_dict() for r in diagnose(c, stuck_minutes)]
+
+    results = run(fmt, checks)
+    ok = all(r["ok"] for r in results)
     if machine(fmt):
-        emit(fmt, {"ok": ok, "checks": [r.to_dict() for r in results]})
+        emit(fmt, {"ok": ok, "checks": results})
     else:
         for r in results:
-            console.print(f"{'[green]ok[/]  ' if r.ok else '[red]FAIL[/]'} {r.name}: {r.description}")
-            for p in r.problems:
-                console.print(f"     {p.object}: {p.message}\n       fix: {p.fix}", markup=False)
+            console.print(f"{'[green]ok[/]  ' if r['ok'] else '[red]FAIL[/]'} {r['name']}: {r['description']}")
+            for p in r["problems"]:
+                console.print(f"     {p['object']}: {p['message']}\n       fix: {p['fix']}", markup=False)
         console.print("[green]store is consistent[/]" if ok else "[red]problems found[/]")
     if not ok:
         raise typer.Exit(1)
@@ -283,8 +301,13 @@ def doctor(stuck_minutes: float = typer.Option(10.0, help="Fail VMs in an interm
 @metrics_app.command("dump")
 def metrics_dump() -> None:
     """Print the metrics once in Prometheus' text format."""
-    from vgpu_ctl.ops.metrics import dump
-    print(run(False, dump), end="")
+    def text(c: Any) -> str:
+        if remote():  # the store's metrics and the server's own
+            return str(c.metrics_text())
+        from vgpu_ctl.ops.metrics import dump
+        return dump(c)
+
+    print(run(False, text), end="")
 
 
 @metrics_app.command("serve")
