@@ -166,11 +166,11 @@ def fleet_status(ctl: Controller, pool: str | None = None, host: str | None = No
                 raise NotFound(f"host {host!r} not found", reasons=[{"field": "host", "value": host}])
             where.append(GPU.c.host_id == host_id)
             host_where.append(HOST.c.id == host_id)
-        out: dict[str, Any] = {"summary": _summary(conn, where, host_where) if ctl.principal.is_admin else None}
+        out: dict[str, Any] = {"summary": _summary(conn, where, host_where) if ctl.principal.sees_all else None}
         if gpus:
             rows: list[dict[str, Any]] = []
             total = 0
-            if ctl.principal.is_admin:
+            if ctl.principal.sees_all:  # the admin and readers
                 total = conn.execute(select(func.count()).select_from(GPU).where(*where)).scalar_one()
                 gq = (select(GPU, HOST.c.name.label("host_name"), HOST.c.state.label("host_state"))
                       .join(HOST, HOST.c.id == GPU.c.host_id).where(*where)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -16,15 +16,75 @@ from vgpu_ctl.errors import VgpuCtlError
 from . import routes_admin, routes_vms
 from .deps import principal_of, runtime
 from .idempotent import idempotency_middleware
-from .problems import problem, problem_of
+from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
 from .runtime import Runtime
 
 LOOPBACK = ("127.0.0.1", "::1")
+ANONYMOUS = ("/healthz",)  # the only paths that need no bearer token
+_SHOWN = 120  # characters of a bad value quoted in a message
 
 
 def _field(loc: Any) -> str:
     parts = [str(x) for x in loc if x not in ("body", "query", "path", "header")]
     return ".".join(parts) or "body"
+
+
+def _shown(value: Any) -> Any:
+    """A bad value as a problem quotes it: long strings and containers cut short."""
+    if isinstance(value, str) and len(value) > _SHOWN:
+        return f"{value[:_SHOWN]}... ({len(value)} characters)"
+    if isinstance(value, list | dict) and len(repr(value)) > _SHOWN:
+        return f"{repr(value)[:_SHOWN]}... ({type(value).__name__} of {len(value)})"
+    return value
+
+
+def _invalid(errors: list[Any]) -> JSONResponse:
+    """A request that does not match its schema as a 400 problem naming each bad field and its value."""
+    reasons: list[dict[str, Any]] = []
+    for e in errors or [{"loc": ("body",), "msg": "invalid", "type": "invalid"}]:
+        name = _field(e.get("loc", ()))
+        if e.get("type") == "json_invalid":
+            reasons.append({"field": "body", "problem": f"not valid JSON: {e.get('msg')}"})
+        elif e.get("type") == "missing":
+            reasons.append({"field": name, "problem": "required"})
+        else:
+            value = _shown(e.get("input"))
+            reasons.append({"field": name, "value": value if _jsonable(value) else repr(value),
+                            "problem": e.get("msg")})
+    first = reasons[0]
+    if "value" in first:
+        message = f"{first['field']} {first['value']!r}: {first['problem']}"
+    else:
+        message = f"{first['field']}: {first['problem']}"
+    if len(reasons) > 1:
+        message += f" (and {len(reasons) - 1} more)"
+    return problem(400, "invalid", message, reasons)
+
+
+def _problem_schema(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document with every error response as `application/problem+json` (FastAPI's own 422
+    validation response dropped: a request that does not match is a 400 problem here) and the bearer token
+    required everywhere but /healthz."""
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path, item in schema["paths"].items():
+        for op in item.values():
+            responses = op.get("responses", {})
+            validation = responses.get("422", {}).get("content", {}).get("application/json", {})
+            if validation.get("schema", {}).get("$ref", "").endswith("/HTTPValidationError"):
+                del responses["422"]
+            for status, resp in responses.items():
+                typed = [c for c in resp.get("content", {}).values() if "schema" in c]
+                if status[:1] in "45" and typed:  # under the route's own media type (JSON, text) until now
+                    resp["content"] = {PROBLEM_TYPE: typed[0]}
+            if path not in ANONYMOUS:
+                op["security"] = [{"bearer": []}]
+    components = schema.setdefault("components", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(unused, None)
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                "description": "A tenant's token or an API token (admin, reader)"}}
+    return schema
 
 
 def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
@@ -39,9 +99,17 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
             app.state.runtime.close()
 
     from vgpu_ctl import __version__
-    app = FastAPI(title="vgpu-ctl", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="vgpu-ctl", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None,
                   description="Pools of virtual GPUs on KVM hosts, handed to tenants' VMs under quotas.")
     app.middleware("http")(idempotency_middleware)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _problem_schema(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(VgpuCtlError)
     async def on_error(request: Request, exc: VgpuCtlError) -> JSONResponse:
@@ -49,33 +117,34 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid"}
-        name = _field(first.get("loc", ()))
-        reasons = [{"field": _field(e.get("loc", ())), "value": e.get("input"), "problem": e.get("msg")}
-                   for e in errors]
-        value = first.get("input")
-        return problem(400, "invalid", f"{name} {value!r}: {first.get('msg')}",
-                       [{k: v for k, v in r.items() if _jsonable(v)} for r in reasons])
+        return _invalid(list(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
         return problem(exc.status_code, code, str(exc.detail))
 
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(principal_of)])
+    def openapi_document() -> JSONResponse:
+        """The OpenAPI document (any valid token: only /healthz is anonymous)."""
+        return JSONResponse(app.openapi())
+
     @app.get("/healthz", tags=["health"], summary="Alive")
     def healthz() -> dict[str, str]:
         """The process answers (no credentials needed)."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Ready to serve")
+    @app.get("/readyz", tags=["health"], summary="Ready to serve",
+             responses={503: {"description": "Not ready: the same object, `ok` false"},
+                        **problem_responses(401)})
     def readyz(request: Request) -> JSONResponse:
         """The store answers, its schema is at head and a leader is known (200), else 503."""
         principal_of(request)
         state = runtime(request).ready()
         return JSONResponse(state, status_code=200 if state["ok"] else 503)
 
-    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse, summary="Prometheus metrics")
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse, summary="Prometheus metrics",
+             responses=problem_responses(401, 403))
     def metrics(request: Request) -> Response:
         """The store's metrics and the server's own (an admin or reader token, or as configured)."""
         rt = runtime(request)

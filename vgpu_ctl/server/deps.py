@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -16,8 +17,9 @@ _WAIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m)?")
 MAX_WAIT_S = 300.0
 
 
+@dataclass
 class Unauthenticated(PermissionDenied):
-    """No credential, or one that is not valid: HTTP 401."""
+    """No credential, or one that is not valid: HTTP 401 (a dataclass, so that the code is its default)."""
 
     code: str = "unauthenticated"
 
@@ -53,6 +55,16 @@ def principal_of(request: Request) -> Principal:
 def controller(request: Request) -> Controller:
     """A Controller acting for the caller."""
     return runtime(request).controller(principal_of(request))
+
+
+def writer(request: Request) -> Controller:
+    """A Controller acting for the caller on a route that changes something: 403 for a reader token, which
+    may read everything and change nothing."""
+    p = principal_of(request)
+    if p.role == "reader":
+        raise PermissionDenied(f"{request.method} {request.url.path} changes the store; a reader token "
+                               f"({p.actor}) may only read", reasons=[{"field": "role", "value": p.role}])
+    return runtime(request).controller(p)
 
 
 def etag(generation: int) -> str:

@@ -19,7 +19,7 @@ from .deps import principal_of, runtime
 from .problems import problem, problem_of
 
 HEADER = "idempotency-key"
-_KEPT_HEADERS = ("location", "etag", "content-type")
+_KEPT_HEADERS = ("location", "etag", "content-type", "operation-location", "retry-after")
 
 
 async def idempotency_middleware(request: Request,

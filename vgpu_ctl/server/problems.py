@@ -42,3 +42,10 @@ def error_dict_status(error: dict[str, Any]) -> int:
     """The HTTP status of an error as an operation records it (`to_dict()` form)."""
     code = str(error.get("code", "error"))
     return status_of(code, code in ("refused", "quota_exceeded", "no_capacity"))
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route for these error statuses: problem details (the app's schema hook
+    gives them the `application/problem+json` media type)."""
+    from .schemas import Problem
+    return {s: {"model": Problem, "description": _TITLES.get(s, "Error")} for s in statuses}

@@ -7,16 +7,32 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Body, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
 
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.ops.events import list_events
 from vgpu_ctl.ops.status import fleet_status
 
-from .deps import controller, etag, if_match
-from .schemas import HostState, QuotaSet, ReconcileRun, TenantCreate, TokenCreate
+from .deps import controller, etag, if_match, principal_of, writer
+from .problems import problem_responses
+from .schemas import (
+    ApiTokenIssued,
+    HostState,
+    QuotaSet,
+    ReconcileRun,
+    TenantCreate,
+    TenantInfo,
+    TenantRow,
+    TenantToken,
+    TokenCreate,
+)
 
-router = APIRouter(prefix="/v1", tags=["admin"])
+# Every route authenticates its caller before its parameters and body are read: 401 comes first.
+router = APIRouter(prefix="/v1", tags=["admin"], responses=problem_responses(400, 401, 403, 404),
+                   dependencies=[Depends(principal_of)])
+_WRITE = problem_responses(409, 412, 422)
+_ETAG: dict[int | str, dict[str, Any]] = {
+    200: {"headers": {"ETag": {"description": "The tenant's generation", "schema": {"type": "string"}}}}}
 
 
 @router.get("/profiles", summary="The catalog's profiles")
@@ -37,12 +53,13 @@ def inventory(request: Request) -> dict[str, Any]:
     return controller(request).inventory()
 
 
-@router.post("/inventory", summary="Apply an inventory (YAML body)")
+@router.post("/inventory", summary="Apply an inventory (YAML body)",
+             responses={**_WRITE, **problem_responses(502)})
 def apply_inventory(request: Request, body: str = Body(..., media_type="application/yaml"),
                     dry_run: bool = False, prune: bool = False) -> list[dict[str, Any]]:
     """Add and update what the YAML inventory in the body declares (with `prune`, also remove what it leaves
     out); the changes, none made with `dry_run`."""
-    ctl = controller(request)
+    ctl = writer(request)
     ctl.principal.require_admin("inventory apply")
     with tempfile.TemporaryDirectory(prefix="vgpu-inv-") as d:
         path = Path(d) / "inventory.yaml"
@@ -57,22 +74,23 @@ def hosts(request: Request) -> list[dict[str, Any]]:
     return out
 
 
-@router.put("/hosts/{name}/state", summary="Cordon, drain or mark a host down")
+@router.put("/hosts/{name}/state", summary="Cordon, drain or mark a host down", responses=_WRITE)
 def host_state(request: Request, name: str, body: HostState) -> dict[str, Any]:
     """Set the host's scheduling state; the state before and after, and the VMs still on it."""
-    return controller(request).set_host_state(name, body.state)
+    return writer(request).set_host_state(name, body.state)
 
 
-@router.get("/tenants", summary="Tenants")
+@router.get("/tenants", summary="Tenants", response_model=list[TenantRow])
 def tenants(request: Request) -> list[dict[str, Any]]:
     """Tenants with their usage (a tenant sees only itself)."""
     return controller(request).list_tenants()
 
 
-@router.post("/tenants", status_code=201, summary="Create a tenant")
+@router.post("/tenants", status_code=201, summary="Create a tenant", response_model=TenantInfo,
+             responses=_WRITE)
 def create_tenant(request: Request, body: TenantCreate, response: Response) -> dict[str, Any]:
     """Add a tenant (no limits until quotas are set)."""
-    ctl = controller(request)
+    ctl = writer(request)
     ctl.create_tenant(body.name)
     out = ctl.get_tenant(body.name)
     response.headers["Location"] = f"/v1/tenants/{body.name}"
@@ -80,7 +98,7 @@ def create_tenant(request: Request, body: TenantCreate, response: Response) -> d
     return out
 
 
-@router.get("/tenants/{name}", summary="One tenant")
+@router.get("/tenants/{name}", summary="One tenant", response_model=TenantInfo, responses=_ETAG)
 def get_tenant(request: Request, name: str, response: Response) -> dict[str, Any]:
     """A tenant with its quota and usage, and its ETag."""
     out = controller(request).get_tenant(name)
@@ -88,27 +106,28 @@ def get_tenant(request: Request, name: str, response: Response) -> dict[str, Any
     return out
 
 
-@router.delete("/tenants/{name}", status_code=204, summary="Delete a tenant")
+@router.delete("/tenants/{name}", status_code=204, summary="Delete a tenant", responses=_WRITE)
 def delete_tenant(request: Request, name: str) -> Response:
     """Remove a tenant that has no VMs; `If-Match` guards against a stale read."""
-    controller(request).delete_tenant(name, if_generation=if_match(request))
+    writer(request).delete_tenant(name, if_generation=if_match(request))
     return Response(status_code=204)
 
 
-@router.post("/tenants/{name}/token", summary="Issue a tenant's token")
+@router.post("/tenants/{name}/token", summary="Issue a tenant's token", response_model=TenantToken,
+             responses=_WRITE)
 def issue_token(request: Request, name: str) -> dict[str, str]:
     """A new token for the tenant (the previous one stops working)."""
-    return {"tenant": name, "token": controller(request).issue_token(name)}
+    return {"tenant": name, "token": writer(request).issue_token(name)}
 
 
-@router.delete("/tenants/{name}/token", status_code=204, summary="Revoke a tenant's token")
+@router.delete("/tenants/{name}/token", status_code=204, summary="Revoke a tenant's token", responses=_WRITE)
 def revoke_token(request: Request, name: str) -> Response:
     """Revoke the tenant's token."""
-    controller(request).revoke_token(name)
+    writer(request).revoke_token(name)
     return Response(status_code=204)
 
 
-@router.get("/tenants/{name}/quota", summary="A tenant's limits and usage")
+@router.get("/tenants/{name}/quota", summary="A tenant's limits and usage", responses=_ETAG)
 def get_quota(request: Request, name: str, response: Response) -> list[dict[str, Any]]:
     """Each limit of the tenant with its usage; the ETag is the tenant's."""
     out = controller(request).get_tenant(name)
@@ -117,10 +136,10 @@ def get_quota(request: Request, name: str, response: Response) -> list[dict[str,
     return quota
 
 
-@router.put("/tenants/{name}/quota", summary="Set a tenant's limits")
+@router.put("/tenants/{name}/quota", summary="Set a tenant's limits", responses={**_ETAG, **_WRITE})
 def set_quota(request: Request, name: str, body: QuotaSet, response: Response) -> dict[str, Any]:
     """Set or clear limits; `If-Match` (the tenant's ETag) guards against a stale read."""
-    ctl = controller(request)
+    ctl = writer(request)
     changes = ctl.set_quota(name, body.limits, pool=body.pool, if_generation=if_match(request))
     response.headers["ETag"] = etag(ctl.get_tenant(name)["generation"])
     return changes
@@ -132,16 +151,17 @@ def tokens(request: Request) -> list[dict[str, Any]]:
     return controller(request).list_api_tokens()
 
 
-@router.post("/tokens", status_code=201, summary="Issue an API token")
+@router.post("/tokens", status_code=201, summary="Issue an API token", response_model=ApiTokenIssued,
+             responses=_WRITE)
 def create_token(request: Request, body: TokenCreate) -> dict[str, str]:
     """A new API token with a role (admin or reader); shown once."""
-    return {"name": body.name, "role": body.role, "token": controller(request).create_api_token(body.name, body.role)}
+    return {"name": body.name, "role": body.role, "token": writer(request).create_api_token(body.name, body.role)}
 
 
-@router.delete("/tokens/{name}", status_code=204, summary="Revoke an API token")
+@router.delete("/tokens/{name}", status_code=204, summary="Revoke an API token", responses=_WRITE)
 def revoke_api_token(request: Request, name: str) -> Response:
     """Revoke an API token."""
-    controller(request).revoke_api_token(name)
+    writer(request).revoke_api_token(name)
     return Response(status_code=204)
 
 
@@ -166,9 +186,10 @@ def doctor(request: Request, stuck_minutes: float = Query(10.0, gt=0, le=10**6))
     return [r.to_dict() for r in diagnose(controller(request), stuck_minutes)]
 
 
-@router.post("/reconcile", summary="Compare store and hosts; repair with fix")
+@router.post("/reconcile", summary="Compare store and hosts; repair with fix",
+             responses={**_WRITE, **problem_responses(502)})
 def reconcile(request: Request, body: ReconcileRun | None = None) -> dict[str, Any]:
     """One reconcile run (admin only); a running domain the store does not know is reported, never undefined."""
-    report = controller(request).reconcile(fix=bool(body and body.fix), confirm_undefine=lambda finding: False)
+    report = writer(request).reconcile(fix=bool(body and body.fix), confirm_undefine=lambda finding: False)
     out: dict[str, Any] = report.to_dict()
     return out

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError, error_from_dict
 from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.operations import OperationInfo
+from vgpu_ctl.service.requests import Placement, VmInfo
 
-from .deps import controller, etag, if_match, principal_of, runtime, wait_seconds
-from .problems import problem_of
-from .schemas import StopVm, VmCreate
+from .deps import controller, etag, if_match, principal_of, runtime, wait_seconds, writer
+from .problems import problem_of, problem_responses
+from .schemas import StopVm, VmCreate, VmPage
 
-router = APIRouter(prefix="/v1", tags=["vms"])
+# Every route authenticates its caller before its parameters and body are read: 401 comes first.
+router = APIRouter(prefix="/v1", tags=["vms"], responses=problem_responses(400, 401, 403, 404),
+                   dependencies=[Depends(principal_of)])
 MAX_PAGE = 1000
+WAIT_DOC = "Wait up to this long for the end (30s, 500ms, 2m; at most 300 s)"
+_LONG = problem_responses(409, 412, 422, 502, 503)
+_WRITE = problem_responses(409, 412, 422)
+_ETAG = {"ETag": {"description": "The VM's generation", "schema": {"type": "string"}}}
+_LOCATION = {"Location": {"description": "The operation: /v1/operations/ID", "schema": {"type": "string"}}}
 
 
 def _tenant_of(request: Request, body: VmCreate) -> str:
@@ -49,14 +55,21 @@ def _accepting(request: Request) -> None:
         raise VgpuCtlError("the server is shutting down; retry on another replica", code="draining")
 
 
-@router.post("/vms", status_code=202, summary="Request a VM (asynchronous: an operation)")
-def create_vm(request: Request, body: VmCreate, wait: str | None = Query(None)) -> Response:
+@router.post("/vms", status_code=202, summary="Request a VM (asynchronous: an operation)",
+             response_model=OperationInfo, responses={
+                 202: {"description": "Accepted: the operation, pending", "headers": _LOCATION},
+                 201: {"model": VmInfo, "description": "Created (with ?wait, once it ended within the wait)",
+                       "headers": {**_ETAG, "Location": {"description": "The VM: /v1/vms/ID",
+                                                         "schema": {"type": "string"}}}},
+                 **_LONG})
+def create_vm(request: Request, body: VmCreate,
+              wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept a VM request as an operation: 202 with `Location: /v1/operations/ID`; with `?wait=30s`, the VM
-    (201) or the refusal when it ends within that time."""
+    (201) or the refusal (409 for quota or capacity) when it ends within that time."""
     seconds = wait_seconds(wait)
     _accepting(request)
     rt = runtime(request)
-    info = controller(request).submit_vm_create(
+    info = writer(request).submit_vm_create(
         _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
         memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
         idempotency_key=body.idempotency_key, template=body.template, holder=rt.holder,
@@ -67,19 +80,19 @@ def create_vm(request: Request, body: VmCreate, wait: str | None = Query(None)) 
     return _operation_response(request, info)
 
 
-@router.post("/placements", summary="Where a VM would go (dry run: nothing is claimed)")
-def dry_run(request: Request, body: VmCreate) -> dict[str, Any]:
-    """The placement a VM request would get now, or the refusal with its reasons per pool."""
-    placement = controller(request).request_vm(
+@router.post("/placements", summary="Where a VM would go (dry run: nothing is claimed)",
+             response_model=Placement, responses=problem_responses(409, 422))
+def dry_run(request: Request, body: VmCreate) -> Placement:
+    """The placement a VM request would get now, or the refusal (409) with its reasons per pool."""
+    return controller(request).request_vm(
         _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
         memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
         template=body.template, dry_run=True)
-    return placement.to_dict()
 
 
-@router.get("/vms", summary="List VMs")
+@router.get("/vms", summary="List VMs", response_model=VmPage)
 def list_vms(request: Request, tenant: str | None = None, state: str | None = None, host: str | None = None,
-             pool: str | None = None, limit: int = Query(100), offset: int = Query(0)) -> dict[str, Any]:
+             pool: str | None = None, limit: int = Query(100), offset: int = Query(0)) -> VmPage:
     """VMs (a tenant sees only its own), filtered, ordered by tenant and name, one page:
     `{"items", "total", "offset", "limit"}`."""
     check_int("limit", limit, 1, MAX_PAGE)
@@ -87,47 +100,53 @@ def list_vms(request: Request, tenant: str | None = None, state: str | None = No
     vms = [v for v in controller(request).list_vms(tenant)
            if (state is None or v.state == state) and (host is None or v.host == host)
            and (pool is None or v.pool == pool)]
-    return {"items": [v.to_dict() for v in vms[offset:offset + limit]], "total": len(vms), "offset": offset,
-            "limit": limit}
+    return VmPage(items=vms[offset:offset + limit], total=len(vms), offset=offset, limit=limit)
 
 
-@router.get("/vms/{ref}", summary="One VM")
-def get_vm(request: Request, ref: str, response: Response) -> dict[str, Any]:
-    """A VM by id (or unique prefix), name, or TENANT/NAME, with its ETag."""
+@router.get("/vms/{ref}", summary="One VM", response_model=VmInfo, responses={200: {"headers": _ETAG}})
+def get_vm(request: Request, ref: str, response: Response) -> VmInfo:
+    """A VM by id (or unique prefix) or name, with its ETag."""
     vm = controller(request).get_vm(ref)
     response.headers["ETag"] = etag(vm.generation)
-    return vm.to_dict()
+    return vm
 
 
-@router.get("/vms/{ref}/xml", response_class=PlainTextResponse, summary="A VM's domain XML")
+@router.get("/vms/{ref}/xml", response_class=PlainTextResponse, summary="A VM's domain XML",
+            responses=problem_responses(502))
 def vm_xml(request: Request, ref: str) -> str:
     """The VM's rendered, validated libvirt domain XML."""
     return controller(request).vm_xml(ref)
 
 
-@router.post("/vms/{ref}/stop", summary="Stop a running VM")
-def stop_vm(request: Request, ref: str, response: Response, body: StopVm | None = None) -> dict[str, Any]:
+@router.post("/vms/{ref}/stop", summary="Stop a running VM", response_model=VmInfo,
+             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
+def stop_vm(request: Request, ref: str, response: Response, body: StopVm | None = None) -> VmInfo:
     """Shut the VM down (its vGPUs stay claimed); `If-Match` guards against a stale read."""
-    vm = controller(request).stop_vm(ref, force=bool(body and body.force), if_generation=if_match(request))
+    vm = writer(request).stop_vm(ref, force=bool(body and body.force), if_generation=if_match(request))
     response.headers["ETag"] = etag(vm.generation)
-    return vm.to_dict()
+    return vm
 
 
-@router.post("/vms/{ref}/start", summary="Start a stopped VM")
-def start_vm(request: Request, ref: str, response: Response) -> dict[str, Any]:
+@router.post("/vms/{ref}/start", summary="Start a stopped VM", response_model=VmInfo,
+             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
+def start_vm(request: Request, ref: str, response: Response) -> VmInfo:
     """Start the VM; `If-Match` guards against a stale read."""
-    vm = controller(request).start_vm(ref, if_generation=if_match(request))
+    vm = writer(request).start_vm(ref, if_generation=if_match(request))
     response.headers["ETag"] = etag(vm.generation)
-    return vm.to_dict()
+    return vm
 
 
-@router.delete("/vms/{ref}", status_code=202, summary="Delete a VM (asynchronous: an operation)")
-def delete_vm(request: Request, ref: str, wait: str | None = Query(None)) -> Response:
+@router.delete("/vms/{ref}", status_code=202, summary="Delete a VM (asynchronous: an operation)",
+               response_model=OperationInfo, responses={
+                   202: {"description": "Accepted: the operation, pending", "headers": _LOCATION},
+                   200: {"model": OperationInfo, "description": "Deleted (with ?wait, once done within it)"},
+                   **_LONG})
+def delete_vm(request: Request, ref: str, wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept the VM's deletion as an operation (202, `Location`); with `?wait=`, 200 once done."""
     seconds = wait_seconds(wait)
     _accepting(request)
     rt = runtime(request)
-    info = controller(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
+    info = writer(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
                                                 lease_seconds=rt.cfg.operation_lease_s)
     rt.dispatch(info.id)
     if seconds > 0:
@@ -135,19 +154,20 @@ def delete_vm(request: Request, ref: str, wait: str | None = Query(None)) -> Res
     return _operation_response(request, info)
 
 
-@router.get("/operations/{op_id}", summary="One operation")
-def get_operation(request: Request, op_id: str, wait: str | None = Query(None)) -> dict[str, Any]:
+@router.get("/operations/{op_id}", summary="One operation", response_model=OperationInfo)
+def get_operation(request: Request, op_id: str,
+                  wait: str | None = Query(None, description=WAIT_DOC)) -> OperationInfo:
     """An operation: its state, the VM, the result or the error, its times (`?wait=` until it is done)."""
     seconds = wait_seconds(wait)
     info = controller(request).get_operation(op_id)
     if seconds > 0 and not info.done:
         info = runtime(request).wait(op_id, seconds, principal_of(request))
-    return info.to_dict()
+    return info
 
 
-@router.get("/operations", summary="List operations")
+@router.get("/operations", summary="List operations", response_model=list[OperationInfo])
 def list_operations(request: Request, state: list[str] | None = Query(None),
-                    limit: int = Query(100)) -> list[dict[str, Any]]:
+                    limit: int = Query(100)) -> list[OperationInfo]:
     """Operations, newest first (a tenant sees only its own)."""
-    return [o.to_dict() for o in controller(request).list_operations(state, limit)]
+    return controller(request).list_operations(state, limit)
 

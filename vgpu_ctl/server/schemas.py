@@ -1,8 +1,13 @@
-"""The request bodies of the API (responses are the Python API's own types)."""
+"""The request bodies of the API, and the shapes of its answers that the Python API has no type for (a VM
+and an operation are the Python API's own `VmInfo` and `OperationInfo`)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from vgpu_ctl.service.requests import VmInfo
 
 
 class VgpuSpec(BaseModel):
@@ -10,7 +15,7 @@ class VgpuSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     profile: str
-    count: int = 1
+    count: StrictInt = 1
 
 
 class VmCreate(BaseModel):
@@ -20,8 +25,8 @@ class VmCreate(BaseModel):
     tenant: str | None = None
     name: str
     vgpus: list[VgpuSpec] = Field(min_length=1)
-    vcpus: int
-    memory_mib: int
+    vcpus: StrictInt
+    memory_mib: StrictInt
     pool: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     anti_affinity: str | None = None
@@ -41,7 +46,7 @@ class QuotaSet(BaseModel):
     framebuffer_mib, vcpus, memory_mib, profile:NAME."""
 
     model_config = ConfigDict(extra="forbid")
-    limits: dict[str, int | None]
+    limits: dict[str, StrictInt | None]
     pool: str | None = None
 
 
@@ -64,11 +69,69 @@ class ReconcileRun(BaseModel):
     """A reconcile run; with `fix`, repairs (never undefining a running domain the store does not know)."""
 
     model_config = ConfigDict(extra="forbid")
-    fix: bool = False
+    fix: StrictBool = False
 
 
 class StopVm(BaseModel):
     """How to stop: `force` destroys instead of shutting down."""
 
     model_config = ConfigDict(extra="forbid")
-    force: bool = False
+    force: StrictBool = False
+
+
+class Problem(BaseModel):
+    """An error as RFC 9457 problem details (`application/problem+json`): `code`, `message` and `reasons`
+    are what the CLI prints with `--json`; `detail` repeats the message, `type` is `urn:vgpu-ctl:error:CODE`."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+    message: str
+    reasons: list[dict[str, Any]]
+
+
+class VmPage(BaseModel):
+    """One page of VMs: `items` from `offset`, at most `limit`, of `total` that match."""
+
+    items: list[VmInfo]
+    total: int
+    offset: int
+    limit: int
+
+
+class TenantInfo(BaseModel):
+    """A tenant with its generation (its ETag), whether it has a token, and each limit with its usage."""
+
+    name: str
+    generation: int
+    has_token: bool
+    created_at: str
+    quota: list[dict[str, Any]]
+
+
+class TenantRow(BaseModel):
+    """A tenant in the list: its usage and generation."""
+
+    name: str
+    vms: int
+    vgpus: int
+    framebuffer_mib: int
+    has_token: bool
+    generation: int
+
+
+class TenantToken(BaseModel):
+    """A tenant's token just issued: shown once (only its hash is kept); the previous one stops working."""
+
+    tenant: str
+    token: str
+
+
+class ApiTokenIssued(BaseModel):
+    """An API token just issued, with its role: shown once (only its hash is kept)."""
+
+    name: str
+    role: str
+    token: str
