@@ -239,3 +239,55 @@ def test_a_draining_host_is_its_own_cause(cli: Cli, tmp_path: Path) -> None:
     ws = next(r for r in out["requests"] if "@workstations" in r["shape"])
     assert ws["placed"] == 0 and "cordoned (draining) host" in ws["reason"]
     assert out["stranded"]["hosts draining or down"] == pytest.approx(2.0)
+
+
+def _brute(replay: Any, i: int) -> tuple[int, Any] | None:
+    """The plan `core.placement.plan` picks over every host of every group the VM may use (the slow, obvious way)."""
+    from vgpu_ctl.core.placement import plan, plan_on_host
+    best: tuple[Any, int, Any] | None = None
+    ask = replay.asks[i]
+    for key, profile in replay.options[i]:
+        req = replay.request(ask, profile)
+        views = [replay.view(hi, key) for hi in range(len(replay.fleet.hosts))
+                 if key in replay.members[hi] and replay.fleet.hosts[hi].state == "active"]
+        found = plan(req, views, replay.policy)
+        if found is None:
+            continue
+        score = plan_on_host(next(v for v in views if v.host_id == found.host_id), req, replay.policy)
+        assert score is not None
+        if best is None or score[0] < best[0]:
+            best = (score[0], found.host_id, found.devices)
+    return None if best is None else (best[1], best[2])
+
+
+@pytest.mark.parametrize("policy", ["pack", "first-fit", "best-fit", "spread"])
+def test_replay_picks_what_plan_over_every_host_picks(policy: str) -> None:
+    """The replay prices one host per state (and remembers pack's costs): the same plans as plan() over all hosts."""
+    import random
+
+    from vgpu_ctl.planning.fleet import PlanGpu, PlanHost, carve
+    from vgpu_ctl.planning.replay import Replay
+    rng = random.Random(7)
+    shapes = [("A100-80GB", "vgpu-equal"), ("H100-80GB", "mig"), ("L40S", "vgpu-mixed")]
+    hosts = []
+    for k in range(24):
+        model, mode = shapes[k % 3]
+        n = rng.choice([1, 2, 4])
+        vcpus = float(rng.choice([16, 32, 64]))
+        hosts.append(PlanHost(f"h{k}", vcpus, 262144.0, vcpus, 262144.0,
+                              tuple(PlanGpu(f"0000:{j:02x}:00.0", model, None, carve(CATALOG, model, mode))
+                                    for j in range(n))))
+    fleet = Fleet(tuple(hosts))
+    profiles = ["A100D-10C", "A100D-20C", "A100D-40C", "H100-1-10C", "H100-3-40C", "H100-2-20C", "L40S-12C",
+                "L40S-24C", "L40S-8C"]
+    asks = tuple(Ask(f"r{k}", (p,), None, rng.choice([1, 1, 1, 2]), float(rng.choice([2, 4, 8, 12])), 4096.0)
+                 for k, p in enumerate(profiles))
+    replay = Replay(CATALOG, fleet, asks, policy, [1.0] * len(asks))
+    placed = 0
+    for _ in range(220):
+        i = rng.randrange(len(asks))
+        want = _brute(replay, i)
+        got = replay.place(i)
+        assert (got and (got[0], got[1].devices)) == want
+        placed += got is not None
+    assert placed > 50

@@ -6,10 +6,13 @@ Candidates are whole-fleet carvings that re-carve only GPUs holding no devices (
   (no pinned type, no fixed layout), when some request can take a profile in that mode;
 - by demand: per (pool, model), the free GPUs split over the modes in proportion to the GPUs' worth of the requests
   that can run only in each mode (requests that can run in several go to the mode holding most of the rest), whole
-  hosts first; vGPUs in mixed size where the model has it and more than one type is asked for, else equal size.
-Each candidate is replayed with the real geometry and policy (on fleets of more than SAMPLE_ABOVE GPUs, first on a
-sample of the hosts with the demand sampled alike; then today's carving and the best candidate on the whole fleet),
-and the one placing the most of the demand wins; ties keep the carving that changes fewest GPUs. The advice per
+  hosts first; vGPUs in mixed size where the model has it and more than one type is asked for, else equal size;
+- then, from the best of those, one pass over the models (those with 5% of the free GPUs or more): the model's free
+  GPUs in each other useful mode, kept when that places more.
+Passthrough is a candidate only when a request names a whole-GPU profile. Each candidate is replayed with the real
+geometry and policy (on fleets of more than SAMPLE_ABOVE GPUs on a 1-in-k sample of the hosts with the demand
+sampled alike; then today's carving and the best candidate on the whole fleet), and the one placing the most of the
+demand wins; ties keep the carving that changes fewest GPUs. The advice per
 GPU is the winner's mode, with the vGPU type an equal-size GPU ended up holding (to pin) and the MIG layout a MIG
 GPU ended up holding (GPU-instance profiles at their starts) in the winner's replay: what to carve, found by placing
 the demand under NVIDIA's rules (core.geometry). In-use GPUs are never changed; those whose carving (pinned type,
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +34,7 @@ from vgpu_ctl.planning.demand import Ask, Demand
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu
 from vgpu_ctl.planning.replay import Outcome, asked_gpus, resolve, run
 
-SAMPLE_ABOVE = 2000  # GPUs: larger fleets compare candidates on a sample first
+SAMPLE_ABOVE = 4000  # GPUs: larger fleets compare candidates on a sample first
 MODE_ORDER = (Mode.VGPU_MIXED, Mode.VGPU_EQUAL, Mode.MIG, Mode.PASSTHROUGH)
 
 
@@ -223,29 +226,72 @@ def _sample(fleet: Fleet, demand: Demand, every: int) -> tuple[Fleet, Demand]:
                    demand.source + f" 1/{every}"))
 
 
+def _named_passthrough(catalog: Catalog, asks: Sequence[Ask]) -> bool:
+    """True when some request names a whole-GPU profile: only then is passthrough worth a candidate (a share fits
+    a whole GPU too, but as well in the GPU's full-size vGPU type, which leaves the GPU shareable)."""
+    return any(p in catalog.models for a in asks for p in a.profiles)
+
+
+def _refine(catalog: Catalog, demand: Demand, pool: str | None, start: Candidate,
+            score: Callable[[Candidate], Score], scores: list[Score]) -> Candidate:
+    """From `start`, one pass over the models: each model's free GPUs in each other useful mode, kept when that
+    places more (coordinate ascent; models with under 5% of the free GPUs are left as they are)."""
+    free = [(hi, gi, g) for hi, h in enumerate(start.fleet.hosts) for gi, g in enumerate(h.gpus)
+            if _in_scope(g, pool)]
+    per_model = Counter(g.model for _, _, g in free)
+    best, best_score = start, next(x for x in reversed(scores) if x.name == start.name)
+    passthrough = _named_passthrough(catalog, demand.asks)
+    for model, n in sorted(per_model.items(), key=lambda kv: -kv[1]):
+        if n < 0.05 * len(free):
+            continue
+        for mode in _useful_modes(catalog, demand.asks, frozenset((model,))):
+            if mode is Mode.PASSTHROUGH and not passthrough:
+                continue
+            pick = {(hi, gi): mode for hi, gi, g in free if g.model == model}
+            c = _recarve(catalog, best.fleet, pick, f"{best.name}; {model} {mode.value}")
+            if not c.changed:
+                continue
+            changed = sum(1 for (hi, gi) in pick if c.fleet.hosts[hi].gpus[gi].occupancy !=
+                          start.fleet.hosts[hi].gpus[gi].occupancy) + start.changed
+            c = Candidate(c.name, c.fleet, changed)
+            sc = score(c)
+            scores.append(sc)
+            if (round(sc.placed_share, 9), sc.placed_vms) > (round(best_score.placed_share, 9), best_score.placed_vms):
+                best, best_score = c, sc
+    return best
+
+
 def advise(catalog: Catalog, fleet: Fleet, demand: Demand, policy: str = "pack", pool: str | None = None) -> Advice:
     """The carving per GPU that places the most of the demand, and the gain over today's in the same run."""
     cands = candidates(catalog, fleet, demand, pool)
+    if not _named_passthrough(catalog, demand.asks):
+        cands = [c for c in cands if c.name != f"all {Mode.PASSTHROUGH.value}"]
     scores: list[Score] = []
     results: dict[str, Outcome] = {}
-    if fleet.gpu_count > SAMPLE_ABOVE and len(cands) > 2:
-        every = math.ceil(fleet.gpu_count / SAMPLE_ABOVE)
-        ranked = []
-        for c in cands:
+    sampled = fleet.gpu_count > SAMPLE_ABOVE
+    every = math.ceil(fleet.gpu_count / SAMPLE_ABOVE)
+
+    def score(c: Candidate) -> Score:
+        if sampled:
             f, d = _sample(c.fleet, demand, every)
             o = run(catalog, f, d, policy)
-            scores.append(Score(c.name, o.placed_share, o.placed_vms, c.changed, True))
-            ranked.append((o.placed_share, -c.changed, c))
-        best = max(ranked, key=lambda r: (r[0], r[1]))[2]
-        finalists = [cands[0]] + ([best] if best is not cands[0] else [])
-    else:
-        finalists = cands
-    for c in finalists:
-        o = results[c.name] = run(catalog, c.fleet, demand, policy)
-        scores.append(Score(c.name, o.placed_share, o.placed_vms, c.changed, False))
-    full = [s for s in scores if not s.sampled]
+        else:
+            o = results[c.name] = run(catalog, c.fleet, demand, policy)
+        return Score(c.name, o.placed_share, o.placed_vms, c.changed, sampled)
+
+    for c in cands:
+        scores.append(score(c))
+    key = {s.name: (round(s.placed_share, 9), s.placed_vms, -s.changed) for s in scores}
+    start = max(cands, key=lambda c: key[c.name])
+    best = _refine(catalog, demand, pool, start, score, scores)
+    every_candidate = {c.name: c for c in cands} | {best.name: best}
+    if sampled:
+        for c in [cands[0]] + ([best] if best is not cands[0] else []):
+            o = results[c.name] = run(catalog, c.fleet, demand, policy)
+            scores.append(Score(c.name, o.placed_share, o.placed_vms, c.changed, False))
+    full = [s for s in scores if not s.sampled and s.name in results]
     win = max(full, key=lambda s: (round(s.placed_share, 9), s.placed_vms, -s.changed))
-    chosen = next(c for c in cands if c.name == win.name)
+    chosen = every_candidate[win.name]
     today, advised = results["today"], results[win.name]
     rows = _per_gpu(catalog, fleet, chosen, advised, demand.asks, pool)
     return Advice(win.name, tuple(scores), today, advised, tuple(rows))

@@ -93,6 +93,7 @@ def asked_gpus(catalog: Catalog, ask: Ask) -> float:
     return ask.gpus * (ask.share if ask.share is not None else largest_share(catalog, ask.profiles))
 
 
+COST_MEMO = 1 << 20  # pack's costs remembered per host class and request
 GpuSet = frozenset[tuple[Occupancy, int]]  # a host's GPUs of one group: occupancy -> how many GPUs hold it
 Room = tuple[float, float]  # a host's free milli-vCPUs and memory
 
@@ -104,8 +105,9 @@ class Replay:
     Hosts are indexed per group by their GPUs' occupancies, then by their free room. Among hosts with the same
     GPUs, first-fit and best-fit take the first host in order that has the room, spread the one with the most
     free vCPUs, and pack's cost depends on the room only through which typical tasks of the mix the host admits
-    before and after the request (the mix's vCPU thresholds), so one host per such class is priced: the plans
-    are those `core.placement.plan` would choose over every host."""
+    before and after the request (the mix's vCPU thresholds), so one host per such class is priced, and a class's
+    cost is remembered (hosts change class only when a VM lands on them): the plans are those
+    `core.placement.plan` would choose over every host."""
 
     def __init__(self, catalog: Catalog, fleet: Fleet, asks: Sequence[Ask], policy_name: str,
                  weights: Sequence[float] | None = None) -> None:
@@ -145,6 +147,7 @@ class Replay:
         self.policy: Policy = get_policy(policy_name, mix or None,
                                          {m: float(n) for m, n in supply.items()} if policy_name == "pack" else None)
         self._fits: dict[tuple[GpuSet, str], int] = {}
+        self._costs: dict[tuple[tuple[GpuSet, int, int], tuple[str, ...], int, int], Score | None] = {}
 
     def _options(self, ask: Ask) -> list[tuple[Key, str]]:
         out = []
@@ -182,10 +185,12 @@ class Replay:
             hit = self._fits[key] = sum(k for o, k in gpus if o.misfit(profile) is None)
         return hit
 
-    def candidates(self, key: Key, req: PlacementRequest) -> list[int]:
-        """The hosts of group `key` whose plans for `req` the policy has to compare (see the class docstring)."""
+    def candidates(self, key: Key, req: PlacementRequest) -> list[tuple[int, tuple[GpuSet, int, int] | None]]:
+        """The hosts of group `key` whose plans for `req` the policy has to compare (see the class docstring), each
+        with its state class for pack (GPUs, and where its vCPUs fall among the mix's thresholds before and after
+        the request: hosts of one class cost the same)."""
         profile, n = req.profiles[0], len(req.profiles)
-        out: list[int] = []
+        out: list[tuple[int, tuple[GpuSet, int, int] | None]] = []
         pack = self.policy.host_cost is not None
         spread = self.policy.name == "spread"
         th = self.thresholds
@@ -199,7 +204,7 @@ class Replay:
                         c = (bisect_right(th, v), bisect_right(th, v - req.vcpus))
                         if c not in classes or holders[0] < classes[c]:
                             classes[c] = holders[0]
-                out.extend(classes.values())
+                out.extend((hi, (gpus, *c)) for c, hi in classes.items())
                 continue
             best: tuple[float, int] | None = None
             for (v, m), holders in rooms.items():
@@ -208,24 +213,40 @@ class Replay:
                     if best is None or rank < best:
                         best = rank
             if best is not None:
-                out.append(best[1])
+                out.append((best[1], None))
         return out
 
     def place(self, i: int) -> tuple[int, PlacementPlan] | None:
         """Place one VM of shape `i` (the best plan of every group it may use) and record it; None if refused."""
         ask = self.asks[i]
-        best: tuple[Score, int, PlacementPlan] | None = None
+        best: tuple[Score, int, Key, PlacementRequest] | None = None
+        costs = self._costs
+        if len(costs) > COST_MEMO:
+            costs.clear()
         for key, profile in self.options[i]:
             req = self.request(ask, profile)
-            for hi in self.candidates(key, req):
-                found = plan_on_host(self.view(hi, key), req, self.policy)
-                if found is not None and (best is None or (found[0], hi) < (best[0], best[1])):
-                    best = (found[0], hi, found[1])
+            for hi, cls in self.candidates(key, req):
+                rank: Score | None
+                if cls is None:
+                    found = plan_on_host(self.view(hi, key), req, self.policy)
+                    rank = found[0] if found is not None else None
+                else:  # pack: the cost is the class's, the rest of the score is host order
+                    memo = (cls, req.profiles, req.vcpus, req.memory_mib)
+                    if memo in costs:
+                        cost = costs[memo]
+                    else:
+                        found = plan_on_host(self.view(hi, key), req, self.policy)
+                        cost = costs[memo] = found[0][:1] if found is not None else None
+                    rank = (*cost, hi) if cost is not None else None
+                if rank is not None and (best is None or (rank, hi) < (best[0], best[1])):
+                    best = (rank, hi, key, req)
         if best is None:
             return None
-        _, hi, plan = best
-        self._apply(hi, plan, ask)
-        return hi, plan
+        _, hi, key, req = best
+        found = plan_on_host(self.view(hi, key), req, self.policy)
+        assert found is not None
+        self._apply(hi, found[1], ask)
+        return hi, found[1]
 
     def _apply(self, hi: int, plan: PlacementPlan, ask: Ask) -> None:
         before = {key: (self._gpus(hi, key), self._room(hi)) for key in self.members[hi]}
