@@ -64,19 +64,36 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
               idempotency_key: str = typer.Option(None, help="Same key twice gives the same VM."),
               template: str = typer.Option(None, help="Domain template name."),
               dry_run: bool = typer.Option(False, "--dry-run", help="Show where it would go; claim nothing."),
+              priority: str = typer.Option(None, help="Priority class (default: the tenant's, else the global)."),
+              preempt: bool = typer.Option(None, "--preempt/--no-preempt",
+                                           help="Preempt lower-priority preemptible VMs if it does not fit "
+                                                "(default: as its class's policy says); with --dry-run, show them."),
+              queue: bool = typer.Option(False, "--queue", help="Wait in the queue if it does not fit."),
               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Request a VM with vGPUs: place, claim, create devices, define and start it."""
     fmt = out_format(as_json, output)
 
     def go(c: Any) -> Any:
+        if dry_run and preempt:
+            return c.scheduling.preview(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
+                                        memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
+                                        anti_affinity=anti_affinity, priority=priority)
         return c.request_vm(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
                             memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                             anti_affinity=anti_affinity, idempotency_key=idempotency_key, template=template,
-                            dry_run=dry_run)
+                            dry_run=dry_run, priority=priority, preempt=preempt, queue=queue)
 
     out = run(fmt, go)
     if machine(fmt):
         emit(fmt, out.to_dict())
+    elif dry_run and preempt:
+        console.print(f"would go to {out.host} (pool {out.pool}) at priority {out.priority_class or '-'} "
+                      f"({out.priority}), preempting {len(out.victims) or 'nothing'}:")
+        for v in out.victims:
+            console.print(f"  {v.tenant}/{v.name} ({v.priority_class} {v.priority}, {v.mode}) on {v.host}: "
+                          f"{', '.join(v.devices)}")
+    elif getattr(out, "kind", None) == "vm.create":
+        console.print(f"VM {name} waits in the queue (operation {out.id}): {(out.error or {}).get('message', '')}")
     elif dry_run:
         console.print(f"would place on {out.host} (pool {out.pool}):")
         for d in out.devices:

@@ -134,6 +134,12 @@ class Controller:
                 context.close()
             raise
 
+    @property
+    def scheduling(self) -> Any:
+        """Priority classes, fair share, the queue and preemption (a `service.scheduling.Scheduling`)."""
+        from vgpu_ctl.service.scheduling import Scheduling
+        return Scheduling(self)
+
     def acting_as(self, principal: Principal) -> Controller:
         """A Controller on the same store and hosts acting for `principal` (closing it closes nothing shared)."""
         return Controller(context=self.ctx, principal=principal)
@@ -452,14 +458,25 @@ class Controller:
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[False] = False, provision: bool = True) -> VmInfo:
+                   template: str | None = None, dry_run: Literal[False] = False, provision: bool = True,
+                   priority: str | None = None, preempt: bool | None = None, queue: Literal[False] = False) -> VmInfo:
         ...
 
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[True], provision: bool = True) -> Placement:
+                   template: str | None = None, dry_run: Literal[False] = False, provision: bool = True,
+                   priority: str | None = None, preempt: bool | None = None,
+                   queue: Literal[True]) -> VmInfo | ops.OperationInfo:
+        ...
+
+    @overload
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: Literal[True], provision: bool = True,
+                   priority: str | None = None, preempt: bool | None = None, queue: bool = False) -> Placement:
         ...
 
     @overload
@@ -467,30 +484,41 @@ class Controller:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False,
-                   provision: bool = True) -> VmInfo | Placement:
+                   provision: bool = True, priority: str | None = None, preempt: bool | None = None,
+                   queue: bool = False) -> VmInfo | Placement | ops.OperationInfo:
         ...
 
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False,
-                   provision: bool = True) -> VmInfo | Placement:
+                   provision: bool = True, priority: str | None = None, preempt: bool | None = None,
+                   queue: bool = False) -> VmInfo | Placement | ops.OperationInfo:
         """Place a VM with vGPUs and claim them in one transaction; then (unless dry_run) create its devices
-        and domain. Returns VmInfo, or a Placement with dry_run. QuotaExceeded / NoCapacity explain a refusal."""
+        and domain. Returns VmInfo, or a Placement with dry_run. QuotaExceeded / NoCapacity explain a refusal.
+        `priority` names its priority class; when nothing fits, lower-priority preemptible VMs are preempted if
+        `preempt` (None: as the class's policy says), and with `queue` the request waits (the pending operation
+        is returned) instead of being refused. See service.scheduling."""
         if isinstance(vgpus, str):
             vgpus = [VgpuRequest(vgpus, 1)]
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
-                        idempotency_key, template, lease_holder=new_holder() if provision and not dry_run else None)
+                        idempotency_key, template, lease_holder=new_holder() if provision and not dry_run else None,
+                        priority=priority)
         req.validate()
         if template is not None:  # before the claim: a bad name changes nothing
             self.hosts.renderer.check_template(template)
         try:
             claimed = self._claim(req, dry_run)
         except Refused as exc:
-            if not dry_run:
-                self._record_refusal(req, exc)
-            raise
+            if dry_run:
+                raise
+            self._record_refusal(req, exc)
+            from vgpu_ctl.service.scheduling import after_refusal
+            retried = after_refusal(self, req, exc, preempt, queue)
+            if isinstance(retried, ops.OperationInfo):
+                return retried
+            claimed = retried
         if isinstance(claimed, Placement):
             return claimed
         if isinstance(claimed, str):
@@ -720,6 +748,8 @@ class Controller:
     def _commit_claim(self, conn: Connection, t_id: int, req: VmRequest, pool: Any, chosen: PlacementPlan,
                       page: alloc.Candidates, delta: Mapping[str, int],
                       charges: Mapping[tuple[str, str], int], dry_run: bool) -> VmInfo | Placement:
+        from vgpu_ctl.service import scheduling
+        cls = scheduling.resolve(conn, t_id, req.tenant, req.priority)
         alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
         for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
             alloc.write_gpu(conn, gid, page.versions[gid], occ)
@@ -730,7 +760,7 @@ class Controller:
                                   for d in chosen.devices)
         if dry_run:
             return Placement(chosen.host, pool.name, placement_devices)
-        vm_id = str(uuid.uuid4())
+        vm_id = req.vm_id or str(uuid.uuid4())
         spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
                 "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
                 "disk_gib": req.disk_gib, "network": req.network, "pool": req.pool, "template": req.template}
@@ -742,6 +772,7 @@ class Controller:
             "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
             "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
         rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
+        scheduling.attach(conn, self.catalog, vm_id, t_id, cls, chosen, req.history)
         record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
                params={"name": req.name, "host": chosen.host, "pool": pool.name,
                        "devices": [d.to_dict() for d in placement_devices]})
@@ -814,6 +845,8 @@ class Controller:
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
         release_vm(self, vm.id, generation=if_generation)
+        from vgpu_ctl.service.scheduling import capacity_freed
+        capacity_freed(self)  # queued requests that fit now are admitted
 
     def stop_vm(self, ref: str, force: bool = False, if_generation: int | None = None) -> VmInfo:
         """Shut down a running VM (its devices stay claimed); PreconditionFailed as for release_vm."""

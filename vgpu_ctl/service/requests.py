@@ -36,6 +36,9 @@ class VmRequest:
     disk_gib: int = 20
     network: str = "default"
     lease_holder: str | None = None  # who provisions the VM once claimed (see service.leases)
+    priority: str | None = None  # the priority class asked for (None: the tenant's default, else the global one)
+    vm_id: str | None = None  # a requeued VM admitted again keeps its id (and so its disk)
+    history: dict[str, Any] | None = None  # a requeued VM's preemption history (see service.scheduling)
 
     def validate(self) -> None:
         """InvalidInput naming the field and value of the first bad one."""
@@ -45,6 +48,8 @@ class VmRequest:
             check_name("pool", self.pool)
         if self.anti_affinity is not None:
             check_name("anti_affinity", self.anti_affinity)
+        if self.priority is not None:
+            check_name("priority", self.priority)
         if self.idempotency_key is not None and not (0 < len(self.idempotency_key) <= 128
                                                       and self.idempotency_key.isprintable()):
             raise InvalidInput(f"idempotency_key {self.idempotency_key!r} must be 1-128 printable characters",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, CheckConstraint, Column, Index, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, CheckConstraint, Column, Index, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 
@@ -306,3 +306,121 @@ class ServerLease(SQLModel, table=True):
     holder: str
     address: str = ""
     expires_at: datetime
+
+
+# -- scheduling: priorities, fair share, preemption (migration 0006) ----------------------------------------------
+
+class PriorityClass(SQLModel, table=True):
+    """A named priority (0 to 1e9, higher first) with its preemption rules; at most one is the global default
+    (a unique partial index)."""
+
+    __tablename__ = "priority_class"
+    __table_args__ = (
+        CheckConstraint("value >= 0 AND value <= 1000000000", name="priority_class_value_range"),
+        CheckConstraint("preemption_policy IN ('never', 'lower-priority')", name="priority_class_policy_known"),
+        CheckConstraint("preemption_mode IN ('requeue', 'cancel')", name="priority_class_mode_known"),
+        Index("priority_class_one_default", "is_default", unique=True, sqlite_where=text("is_default"),
+              postgresql_where=text("is_default")),
+    )
+
+    name: str = Field(primary_key=True)
+    value: int = Field(sa_type=BigInteger)
+    preemptible: bool = False
+    preemption_policy: str = "lower-priority"
+    preemption_mode: str = "requeue"
+    is_default: bool = False
+    description: str = ""
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ShareAccount(SQLModel, table=True):
+    """An account of the fair-share tree (Slurm's Fair Tree): its shares among its siblings, its parent."""
+
+    __tablename__ = "share_account"
+    __table_args__ = (
+        CheckConstraint("shares > 0", name="share_account_shares_pos"),
+        CheckConstraint("parent IS NULL OR parent <> name", name="share_account_not_own_parent"),
+    )
+
+    name: str = Field(primary_key=True)
+    parent: str | None = Field(default=None, foreign_key="share_account.name")
+    shares: int = Field(default=1, sa_type=BigInteger)
+
+
+class TenantSched(SQLModel, table=True):
+    """A tenant's scheduling settings: its fair-share shares and account, its default priority class. No row:
+    1 share at the root, no default. The classes it may use are `tenant_priority_class` rows (none: any)."""
+
+    __tablename__ = "tenant_sched"
+    __table_args__ = (CheckConstraint("shares > 0", name="tenant_sched_shares_pos"),)
+
+    tenant_id: int = Field(primary_key=True, foreign_key="tenant.id", ondelete="CASCADE")
+    shares: int = Field(default=1, sa_type=BigInteger)
+    account: str | None = Field(default=None, foreign_key="share_account.name")
+    default_class: str | None = Field(default=None, foreign_key="priority_class.name")
+
+
+class TenantPriorityClass(SQLModel, table=True):
+    """A priority class a tenant may use (a tenant with none of these rows may use any)."""
+
+    __tablename__ = "tenant_priority_class"
+
+    tenant_id: int = Field(primary_key=True, foreign_key="tenant.id", ondelete="CASCADE")
+    class_name: str = Field(primary_key=True, foreign_key="priority_class.name")
+
+
+class VmSched(SQLModel, table=True):
+    """A VM's priority (class and value, kept as admitted), whether it may be preempted, what it is charged for
+    fair share (framebuffer GiB and compute slices from `admitted_at`, epoch seconds), and its preemption
+    history (how often, and the priority its cool-down protects it from until when). Deleting the row (with the
+    VM, or when the VM fails) closes its usage interval (a trigger)."""
+
+    __tablename__ = "vm_sched"
+    __table_args__ = (
+        CheckConstraint("priority >= 0 AND priority <= 1000000000", name="vm_sched_priority_range"),
+        CheckConstraint("fb_gib >= 0 AND compute_slices >= 0", name="vm_sched_charge_nonneg"),
+        CheckConstraint("preemptions >= 0", name="vm_sched_preemptions_nonneg"),
+    )
+
+    vm_id: str = Field(primary_key=True, foreign_key="vm.id", ondelete="CASCADE")
+    tenant_id: int = Field(foreign_key="tenant.id", ondelete="CASCADE", index=True)
+    class_name: str | None = Field(default=None, foreign_key="priority_class.name")
+    priority: int = Field(default=0, sa_type=BigInteger)
+    preemptible: bool = False
+    admitted_at: float
+    fb_gib: float = 0.0
+    compute_slices: float = 0.0
+    preemptions: int = 0
+    protected_below: int | None = Field(default=None, sa_type=BigInteger)
+    protected_until: float | None = None
+
+
+class UsageInterval(SQLModel, table=True):
+    """A closed holding of a VM for fair share: tenant, from `started` to `ended` (epoch seconds), framebuffer GiB and
+    compute slices; written by the trigger on `vm_sched`, folded into `usage_ledger` when old."""
+
+    __tablename__ = "usage_interval"
+    __table_args__ = (
+        CheckConstraint("ended >= started", name="usage_interval_ordered"),
+        CheckConstraint("fb_gib >= 0 AND compute_slices >= 0", name="usage_interval_nonneg"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: int = Field(foreign_key="tenant.id", ondelete="CASCADE", index=True)
+    vm_id: str
+    started: float
+    ended: float
+    fb_gib: float
+    compute_slices: float
+
+
+class UsageLedger(SQLModel, table=True):
+    """A tenant's folded past usage: decayed framebuffer-GiB-hours and compute-slice-hours as of `as_of`."""
+
+    __tablename__ = "usage_ledger"
+    __table_args__ = (CheckConstraint("fb_gib_h >= 0 AND compute_h >= 0", name="usage_ledger_nonneg"),)
+
+    tenant_id: int = Field(primary_key=True, foreign_key="tenant.id", ondelete="CASCADE")
+    fb_gib_h: float = 0.0
+    compute_h: float = 0.0
+    as_of: float = 0.0

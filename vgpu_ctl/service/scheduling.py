@@ -1,0 +1,953 @@
+"""Scheduling in the service: priority classes, tenants' classes and shares, the fair-share report, preemption
+(victims chosen by `core.preemption`, freed by requeue or cancel with a grace period, audited) and the queue of
+requests waiting for capacity (pending operations, admitted by priority, fair share, age when capacity frees).
+
+The rules are in `core.priority`, `core.fairshare` and `core.preemption`; this module reads and writes the store
+and drives the hosts. See docs/design-scheduling.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from vgpu_ctl.core.fairshare import (
+    Interval,
+    Member,
+    ShareRow,
+    Usage,
+    check_half_life,
+    decayed_usage,
+    dominant,
+    fair_tree,
+    fold,
+)
+from vgpu_ctl.core.placement import PlacementPlan, PlacementRequest, get_policy
+from vgpu_ctl.core.preemption import Holder, Preemption, choose_victims
+from vgpu_ctl.core.priority import (
+    NO_CLASS,
+    PreemptionMode,
+    PreemptionPolicy,
+    PriorityClass,
+    check_mode,
+    check_policy,
+    check_value,
+    resolve_class,
+)
+from vgpu_ctl.core.vm_state import LIVE
+from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, Refused, VgpuCtlError
+from vgpu_ctl.inventory import check_int, check_name
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.operations import OPERATION
+from vgpu_ctl.service.principals import Principal
+from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.store.models import (
+    Meta,
+    ShareAccount,
+    TenantPriorityClass,
+    TenantSched,
+    UsageInterval,
+    UsageLedger,
+    VmSched,
+    utcnow,
+)
+from vgpu_ctl.store.models import PriorityClass as PriorityClassRow
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+    from vgpu_ctl.service.requests import VmRequest
+
+CLASS: Table = PriorityClassRow.__table__  # type: ignore[attr-defined]
+ACCOUNT: Table = ShareAccount.__table__  # type: ignore[attr-defined]
+TSCHED: Table = TenantSched.__table__  # type: ignore[attr-defined]
+TCLASS: Table = TenantPriorityClass.__table__  # type: ignore[attr-defined]
+VMSCHED: Table = VmSched.__table__  # type: ignore[attr-defined]
+INTERVAL: Table = UsageInterval.__table__  # type: ignore[attr-defined]
+LEDGER: Table = UsageLedger.__table__  # type: ignore[attr-defined]
+META: Table = Meta.__table__  # type: ignore[attr-defined]
+
+QUEUE_HOLDER = "queue"
+"""The lease holder of a queued (pending) operation: never expires, never taken over by the recovery loop."""
+
+SETTINGS: dict[str, float] = {"half_life_s": 7 * 86400.0, "grace_s": 30.0, "cooldown_s": 600.0}
+"""Scheduling settings and their defaults: usage half-life, the grace period of a preempted VM's shutdown, and
+the cool-down during which a re-admitted victim is not preempted again by a request no higher than the one that
+preempted it."""
+
+COMPACT_AT = 256
+"""Closed usage intervals are folded into the tenants' ledgers once there are this many."""
+
+DEFAULT_COMPUTE_SLICES = 7
+"""The compute slices of a whole GPU whose model has no MIG mode (so a whole GPU counts as on a MIG GPU)."""
+
+
+# -- settings ---------------------------------------------------------------------------------------------------
+
+def settings(conn: Connection) -> dict[str, float]:
+    """The scheduling settings, stored (Meta keys `sched.NAME`) or default."""
+    out = dict(SETTINGS)
+    for key, value in conn.execute(select(META.c.key, META.c.value).where(META.c.key.like("sched.%"))):
+        name = key.removeprefix("sched.")
+        if name in out:
+            out[name] = float(value)
+    return out
+
+
+def set_settings(conn: Connection, actor: str, values: Mapping[str, float | None]) -> dict[str, float]:
+    """Set scheduling settings (None: back to the default); all settings after. InvalidInput naming the field for
+    an unknown name or a value that is not a positive number (grace and cool-down may be 0)."""
+    for name, value in values.items():
+        if name not in SETTINGS:
+            raise InvalidInput(f"unknown scheduling setting {name!r}; known: {', '.join(SETTINGS)}",
+                               reasons=[{"field": name, "value": value}])
+        if value is None:
+            continue
+        if name == "half_life_s":
+            check_half_life(value)
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10 ** 9:
+            raise InvalidInput(f"{name} must be a number of seconds from 0 to 1e9 (field {name}, value {value!r})",
+                               reasons=[{"field": name, "value": value}])
+    for name, value in values.items():
+        conn.execute(delete(META).where(META.c.key == f"sched.{name}"))
+        if value is not None:
+            conn.execute(insert(META).values(key=f"sched.{name}", value=repr(float(value))))
+    record(conn, actor, "scheduling.set", "scheduling", params={k: v for k, v in values.items()})
+    return settings(conn)
+
+
+# -- priority classes -------------------------------------------------------------------------------------------
+
+def _class_of(row: Any) -> PriorityClass:
+    return PriorityClass(row.name, int(row.value), bool(row.preemptible), PreemptionPolicy(row.preemption_policy),
+                         PreemptionMode(row.preemption_mode), bool(row.is_default), row.description)
+
+
+def classes(conn: Connection) -> dict[str, PriorityClass]:
+    """Every priority class by name."""
+    return {r.name: _class_of(r) for r in conn.execute(select(CLASS).order_by(CLASS.c.value.desc(), CLASS.c.name))}
+
+
+def class_dict(c: PriorityClass, vms: int = 0) -> dict[str, Any]:
+    """A class as JSON."""
+    return {"name": c.name, "value": c.value, "preemptible": c.preemptible,
+            "preemption_policy": c.preemption_policy.value, "preemption_mode": c.preemption_mode.value,
+            "default": c.default, "description": c.description, "vms": vms}
+
+
+def create_class(conn: Connection, actor: str, name: str, value: int, *, preemptible: bool = False,
+                 preemption_policy: str = "lower-priority", preemption_mode: str = "requeue", default: bool = False,
+                 description: str = "") -> dict[str, Any]:
+    """Add a priority class (with `default`, it becomes the global default in place of the previous one).
+    InvalidInput naming the field for a bad name, value, policy or mode; Conflict if the name is taken."""
+    check_name("priority class", name)
+    cls = PriorityClass(name, check_value(value), bool(preemptible), check_policy(preemption_policy),
+                        check_mode(preemption_mode), bool(default), description)
+    if conn.execute(select(CLASS.c.name).where(CLASS.c.name == name)).first() is not None:
+        raise Conflict(f"priority class {name!r} already exists", reasons=[{"field": "name", "value": name}])
+    if default:
+        conn.execute(update(CLASS).where(CLASS.c.is_default.is_(True)).values(is_default=False))
+    conn.execute(insert(CLASS).values(name=name, value=cls.value, preemptible=cls.preemptible,
+                                      preemption_policy=cls.preemption_policy.value,
+                                      preemption_mode=cls.preemption_mode.value, is_default=cls.default,
+                                      description=description, created_at=utcnow()))
+    out = class_dict(cls)
+    record(conn, actor, "priority.create", f"priority:{name}", params=out)
+    return out
+
+
+def list_classes(conn: Connection) -> list[dict[str, Any]]:
+    """Every class, highest value first, with how many VMs hold it."""
+    counts: dict[str | None, int] = {name: int(n) for name, n in conn.execute(
+        select(VMSCHED.c.class_name, func.count()).group_by(VMSCHED.c.class_name))}
+    return [class_dict(c, int(counts.get(c.name, 0))) for c in classes(conn).values()]
+
+
+def delete_class(conn: Connection, actor: str, name: str) -> None:
+    """Remove a class no VM, tenant default or tenant limit uses (Conflict naming them otherwise)."""
+    if conn.execute(select(CLASS.c.name).where(CLASS.c.name == name)).first() is None:
+        raise NotFound(f"priority class {name!r} not found", reasons=[{"field": "priority", "value": name}])
+    users = {
+        "VMs": conn.execute(select(func.count()).select_from(VMSCHED).where(VMSCHED.c.class_name == name)).scalar(),
+        "tenant defaults": conn.execute(select(func.count()).select_from(TSCHED)
+                                        .where(TSCHED.c.default_class == name)).scalar(),
+        "tenant limits": conn.execute(select(func.count()).select_from(TCLASS)
+                                      .where(TCLASS.c.class_name == name)).scalar(),
+        "queued requests": sum(1 for r in _queued_rows(conn) if r.request.get("priority") == name),
+    }
+    used = {k: int(v or 0) for k, v in users.items() if v}
+    if used:
+        raise Conflict(f"priority class {name!r} is in use ({', '.join(f'{n} {k}' for k, n in used.items())})",
+                       reasons=[{"field": "priority", "value": name, **used}])
+    conn.execute(delete(CLASS).where(CLASS.c.name == name))
+    record(conn, actor, "priority.delete", f"priority:{name}")
+
+
+# -- tenants and accounts ---------------------------------------------------------------------------------------
+
+def tenant_settings(conn: Connection, tenant_id: int) -> dict[str, Any]:
+    """A tenant's shares, account, default class and allowed classes (None: any)."""
+    row = conn.execute(select(TSCHED).where(TSCHED.c.tenant_id == tenant_id)).first()
+    allowed = sorted(r[0] for r in conn.execute(select(TCLASS.c.class_name).where(TCLASS.c.tenant_id == tenant_id)))
+    return {"shares": int(row.shares) if row else 1, "account": row.account if row else None,
+            "default_priority": row.default_class if row else None, "priority_classes": allowed or None}
+
+
+_UNSET: Any = object()
+
+
+def set_tenant(conn: Connection, actor: str, tenant_id: int, tenant: str, *, shares: int | None = None,
+               account: str | None = _UNSET, default_priority: str | None = _UNSET,
+               priority_classes: Collection[str] | None = _UNSET) -> dict[str, Any]:
+    """Change a tenant's scheduling settings (what is not given stays; None clears account, default or the class
+    limit); the settings after. InvalidInput naming the field for unknown classes or accounts, shares below 1,
+    or a default outside the allowed classes."""
+    cur = tenant_settings(conn, tenant_id)
+    known = classes(conn)
+    if shares is not None:
+        check_int("shares", shares, 1, 10 ** 9)
+        cur["shares"] = shares
+    if account is not _UNSET:
+        if account is not None and conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.name == account)).first() \
+                is None:
+            raise InvalidInput(f"unknown account {account!r} (field account)",
+                               reasons=[{"field": "account", "value": account}])
+        cur["account"] = account
+    if priority_classes is not _UNSET:
+        wanted = sorted(set(priority_classes)) if priority_classes is not None else None
+        for c in wanted or ():
+            if c not in known:
+                raise InvalidInput(f"unknown priority class {c!r} (field priority_classes; known: "
+                                   f"{', '.join(sorted(known)) or 'none'})",
+                                   reasons=[{"field": "priority_classes", "value": c}])
+        cur["priority_classes"] = wanted or None
+    if default_priority is not _UNSET:
+        if default_priority is not None and default_priority not in known:
+            raise InvalidInput(f"unknown priority class {default_priority!r} (field default_priority; known: "
+                               f"{', '.join(sorted(known)) or 'none'})",
+                               reasons=[{"field": "default_priority", "value": default_priority}])
+        cur["default_priority"] = default_priority
+    allowed = cur["priority_classes"]
+    if cur["default_priority"] is not None and allowed is not None and cur["default_priority"] not in allowed:
+        raise InvalidInput(f"default priority {cur['default_priority']!r} is not among the tenant's classes "
+                           f"({', '.join(allowed)}) (field default_priority)",
+                           reasons=[{"field": "default_priority", "value": cur["default_priority"]}])
+    conn.execute(delete(TSCHED).where(TSCHED.c.tenant_id == tenant_id))
+    conn.execute(insert(TSCHED).values(tenant_id=tenant_id, shares=cur["shares"], account=cur["account"],
+                                       default_class=cur["default_priority"]))
+    conn.execute(delete(TCLASS).where(TCLASS.c.tenant_id == tenant_id))
+    for c in allowed or ():
+        conn.execute(insert(TCLASS).values(tenant_id=tenant_id, class_name=c))
+    record(conn, actor, "tenant.scheduling", tenant, tenant=tenant, params=dict(cur))
+    return cur
+
+
+def set_account(conn: Connection, actor: str, name: str, shares: int, parent: str | None) -> dict[str, Any]:
+    """Add or change an account of the share tree; InvalidInput naming the field for bad shares, an unknown
+    parent or a parent that would make a cycle."""
+    check_name("account", name)
+    check_int("shares", shares, 1, 10 ** 9)
+    accounts = {r.name: r.parent for r in conn.execute(select(ACCOUNT))}
+    if parent is not None:
+        if parent not in accounts:
+            raise InvalidInput(f"unknown parent account {parent!r} (field parent)",
+                               reasons=[{"field": "parent", "value": parent}])
+        up: str | None = parent
+        while up is not None:
+            if up == name:
+                raise InvalidInput(f"account {name!r} can't be under {parent!r}: that makes a cycle (field parent)",
+                                   reasons=[{"field": "parent", "value": parent}])
+            up = accounts.get(up)
+    if name in accounts:
+        conn.execute(update(ACCOUNT).where(ACCOUNT.c.name == name).values(shares=shares, parent=parent))
+    else:
+        conn.execute(insert(ACCOUNT).values(name=name, shares=shares, parent=parent))
+    out = {"name": name, "shares": shares, "parent": parent}
+    record(conn, actor, "account.set", f"account:{name}", params=out)
+    return out
+
+
+def delete_account(conn: Connection, actor: str, name: str) -> None:
+    """Remove an account without members (Conflict naming them otherwise)."""
+    if conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.name == name)).first() is None:
+        raise NotFound(f"account {name!r} not found", reasons=[{"field": "account", "value": name}])
+    members = [r[0] for r in conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.parent == name))]
+    members += [r[0] for r in conn.execute(select(alloc.TENANT.c.name).join(TSCHED, TSCHED.c.tenant_id ==
+                                                                            alloc.TENANT.c.id)
+                                           .where(TSCHED.c.account == name))]
+    if members:
+        raise Conflict(f"account {name!r} still has members: {', '.join(sorted(members))}",
+                       reasons=[{"field": "account", "value": name, "members": sorted(members)}])
+    conn.execute(delete(ACCOUNT).where(ACCOUNT.c.name == name))
+    record(conn, actor, "account.delete", f"account:{name}")
+
+
+# -- admission: a VM's priority and charge ----------------------------------------------------------------------
+
+def resolve(conn: Connection, tenant_id: int, tenant: str, requested: str | None) -> PriorityClass:
+    """The class a request of the tenant gets (see `core.priority.resolve_class`); InvalidInput naming the field
+    priority for an unknown or disallowed class."""
+    known = classes(conn) if requested is not None or _any_class(conn) else {}
+    if not known and requested is None:
+        return NO_CLASS
+    ts = tenant_settings(conn, tenant_id)
+    return resolve_class(requested, known, ts["priority_classes"], ts["default_priority"], tenant)
+
+
+def _any_class(conn: Connection) -> bool:
+    return conn.execute(select(CLASS.c.name).limit(1)).first() is not None
+
+
+def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
+    """What a placement is charged for fair share: framebuffer GiB and compute slices (a MIG instance's own; a
+    whole GPU or a time-sliced vGPU its share of the GPU's slices)."""
+    fb = compute = 0.0
+    for d in chosen.devices:
+        geom = chosen.occupancies[d.gpu_id].geometry
+        shape = geom.shapes[d.profile]
+        fb += shape.framebuffer_mib / 1024
+        if shape.compute:
+            compute += shape.compute
+        else:
+            spec = catalog.model(geom.model)
+            slices = spec.mig.compute_slices if spec.mig is not None else DEFAULT_COMPUTE_SLICES
+            compute += slices * shape.size / geom.axis
+    return fb, compute
+
+
+def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
+           history: Mapping[str, Any] | None = None) -> None:
+    """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction)."""
+    fb, compute = charge_of(catalog, chosen)
+    h = history or {}
+    conn.execute(insert(VMSCHED).values(
+        vm_id=vm_id, tenant_id=tenant_id, class_name=cls.name or None, priority=cls.value,
+        preemptible=cls.preemptible, admitted_at=time.time(), fb_gib=fb, compute_slices=compute,
+        preemptions=int(h.get("preemptions", 0)), protected_below=h.get("protected_below"),
+        protected_until=h.get("protected_until")))
+
+
+# -- fair share -------------------------------------------------------------------------------------------------
+
+def fleet_capacity(conn: Connection, catalog: Any) -> tuple[float, float]:
+    """The fleet's framebuffer GiB and compute slices (managed GPUs)."""
+    fb = compute = 0.0
+    for model, n in conn.execute(select(alloc.GPU.c.model, func.count()).where(alloc.GPU.c.mode != "unmanaged")
+                                 .group_by(alloc.GPU.c.model)):
+        spec = catalog.model(model)
+        fb += n * spec.memory_mib / 1024
+        compute += n * (spec.mig.compute_slices if spec.mig is not None else DEFAULT_COMPUTE_SLICES)
+    return fb, compute
+
+
+def usages(conn: Connection, now: float, half_life_s: float) -> dict[int, Usage]:
+    """Each tenant's decayed usage as of `now`: its folded ledger, its closed intervals, its VMs holding now."""
+    out: dict[int, Usage] = {}
+    for r in conn.execute(select(LEDGER)):
+        out[r.tenant_id] = fold(Usage(r.fb_gib_h, r.compute_h), r.as_of, now, half_life_s)
+    per: dict[int, list[Interval]] = {}
+    for r in conn.execute(select(INTERVAL)):
+        per.setdefault(r.tenant_id, []).append(Interval(r.started, r.ended, r.fb_gib, r.compute_slices))
+    for r in conn.execute(select(VMSCHED)):
+        per.setdefault(r.tenant_id, []).append(Interval(r.admitted_at, None, r.fb_gib, r.compute_slices))
+    for t, ivs in per.items():
+        out[t] = out.get(t, Usage()) + decayed_usage(ivs, now, half_life_s)
+    return out
+
+
+def compact(conn: Connection, now: float, half_life_s: float) -> int:
+    """Fold every closed interval into its tenant's ledger as of `now` (exact: decay is multiplicative); how many
+    were folded."""
+    rows = conn.execute(select(INTERVAL)).all()
+    if not rows:
+        return 0
+    per: dict[int, list[Interval]] = {}
+    for r in rows:
+        per.setdefault(r.tenant_id, []).append(Interval(r.started, r.ended, r.fb_gib, r.compute_slices))
+    ledgers = {r.tenant_id: r for r in conn.execute(select(LEDGER))}
+    for t, ivs in per.items():
+        old = ledgers.get(t)
+        total = decayed_usage(ivs, now, half_life_s)
+        if old is not None:
+            total = total + fold(Usage(old.fb_gib_h, old.compute_h), old.as_of, now, half_life_s)
+            conn.execute(update(LEDGER).where(LEDGER.c.tenant_id == t)
+                         .values(fb_gib_h=total.fb_gib_h, compute_h=total.compute_h, as_of=now))
+        else:
+            conn.execute(insert(LEDGER).values(tenant_id=t, fb_gib_h=total.fb_gib_h, compute_h=total.compute_h,
+                                               as_of=now))
+    conn.execute(delete(INTERVAL).where(INTERVAL.c.id.in_([r.id for r in rows])))
+    return len(rows)
+
+
+def share_tree(conn: Connection, catalog: Any, now: float | None = None) -> tuple[list[ShareRow], dict[int, Usage]]:
+    """The Fair Tree rows of every tenant and account, and each tenant's raw decayed usage by id."""
+    now = time.time() if now is None else now
+    half_life = settings(conn)["half_life_s"]
+    raw = usages(conn, now, half_life)
+    fleet_fb, fleet_compute = fleet_capacity(conn, catalog)
+    members = [Member(r.name, r.parent, int(r.shares), account=True) for r in conn.execute(select(ACCOUNT))]
+    names = {}
+    for t in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name, TSCHED.c.shares, TSCHED.c.account)
+                          .outerjoin(TSCHED, TSCHED.c.tenant_id == alloc.TENANT.c.id)):
+        names[t.id] = t.name
+        members.append(Member(t.name, t.account, int(t.shares or 1),
+                              dominant(raw.get(t.id, Usage()), fleet_fb, fleet_compute)))
+    return fair_tree(members), {tid: raw[tid] for tid in raw if tid in names}
+
+
+def share_report(conn: Connection, catalog: Any, principal: Principal,
+                 now: float | None = None) -> list[dict[str, Any]]:
+    """`sshare -l`: per account and tenant the shares (raw and among siblings), the decayed usage (raw GiB-hours
+    and slice-hours, and as the dominant share among siblings), the level fairshare, and for tenants the rank and
+    fair-share factor. A tenant caller sees only its own row."""
+    rows, raw = share_tree(conn, catalog, now)
+    ids = {r.name: r.id for r in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name))}
+    out = []
+    for r in rows:
+        if principal.tenant is not None and (r.account or r.name != principal.tenant):
+            continue
+        u = raw.get(ids.get(r.name, -1), Usage()) if not r.account else None
+        out.append({"name": r.name, "kind": "account" if r.account else "tenant", "parent": r.parent,
+                    "depth": r.depth, "shares": r.shares, "norm_shares": round(r.norm_shares, 6),
+                    "usage": round(r.usage, 6), "norm_usage": round(r.norm_usage, 6),
+                    "fb_gib_hours": round(u.fb_gib_h, 6) if u else None,
+                    "compute_slice_hours": round(u.compute_h, 6) if u else None,
+                    "level_fairshare": None if r.level_fs == float("inf") else round(r.level_fs, 6),
+                    "rank": r.rank, "fairshare": None if r.factor is None else round(r.factor, 6)})
+    return out
+
+
+# -- preemption -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Victim:
+    """A VM a preemption frees, as reported (dry run) and audited."""
+
+    vm_id: str
+    tenant: str
+    name: str
+    host: str
+    priority_class: str | None
+    priority: int
+    mode: str
+    devices: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        d = dict(self.__dict__)
+        d["devices"] = list(self.devices)
+        return d
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    """What a preemption would do: the request's class and value, the pool and host it would go to, the victims."""
+
+    priority_class: str | None
+    priority: int
+    pool: str | None
+    host: str | None
+    victims: tuple[Victim, ...] = ()
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"priority_class": self.priority_class, "priority": self.priority, "pool": self.pool,
+                "host": self.host, "victims": [v.to_dict() for v in self.victims], "reason": self.reason}
+
+
+def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> tuple[list[Holder], dict[str, Any]]:
+    """The VMs on these hosts that could be preempted (live: running or stopped, nobody working on them), as
+    Holders, and their rows by id."""
+    if not host_ids:
+        return [], {}
+    rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.host_id, VM.c.vcpus, VM.c.memory_mib, VM.c.state,
+                               VM.c.lease_holder, VM.c.tenant_id, VMSCHED.c.priority, VMSCHED.c.preemptible,
+                               VMSCHED.c.admitted_at, VMSCHED.c.protected_below, VMSCHED.c.protected_until,
+                               VMSCHED.c.class_name, VMSCHED.c.preemptions)
+                        .join(VMSCHED, VMSCHED.c.vm_id == VM.c.id)
+                        .where(VM.c.host_id.in_(list(host_ids)), VM.c.state.in_(LIVE),
+                               VM.c.lease_holder.is_(None))).all()
+    devs: dict[str, list[tuple[int, int]]] = {}
+    if rows:
+        for d in conn.execute(select(alloc.DEVICE.c.vm_id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start)
+                              .where(alloc.DEVICE.c.vm_id.in_([r.id for r in rows]))):
+            devs.setdefault(d.vm_id, []).append((d.gpu_id, d.start))
+    out = []
+    for r in rows:
+        protected = r.protected_below if r.protected_until is not None and r.protected_until > now else None
+        out.append(Holder(r.id, r.host_id, int(r.priority), bool(r.preemptible), tuple(sorted(devs.get(r.id, []))),
+                          int(r.vcpus), int(r.memory_mib), float(r.admitted_at), False, protected))
+    return out, {r.id: r for r in rows}
+
+
+def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
+                    pools: Sequence[Any]) -> tuple[Preemption, Any, dict[str, Any]] | None:
+    """The fewest victims over the request's pools (first pool with a set wins, as the claim tries pools in
+    order), with the pool and the victims' rows; None when no allowed set makes room."""
+    preq = PlacementRequest(req.profiles(), req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
+    names = {p.id: p.name for p in pools}
+    now = time.time()
+    for pool in pools:
+        cands = alloc.all_candidates(conn, ctl.catalog, [pool.id], preq.profiles, req.anti_affinity, names)
+        hosts = [h for h in cands.hosts]
+        holders, rows = _holders(conn, [h.host_id for h in hosts], now)
+        found = choose_victims(preq, cls.value, hosts, holders, get_policy("first-fit"))
+        if found is not None:
+            return found, pool, rows
+    return None
+
+
+def _victims(conn: Connection, found: Preemption, rows: Mapping[str, Any]) -> tuple[Victim, ...]:
+    cls = classes(conn)
+    out = []
+    for h in found.victims:
+        r = rows[h.vm_id]
+        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == r.tenant_id)).scalar()
+        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == r.host_id)).scalar()
+        mode = cls[r.class_name].preemption_mode.value if r.class_name in cls else PreemptionMode.REQUEUE.value
+        devices = tuple(f"{d.profile}@{d.pci_address}+{d.start}" for d in conn.execute(
+            select(alloc.DEVICE.c.profile, alloc.DEVICE.c.start, alloc.GPU.c.pci_address)
+            .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id).where(alloc.DEVICE.c.vm_id == h.vm_id)
+            .order_by(alloc.GPU.c.pci_address, alloc.DEVICE.c.start)))
+        out.append(Victim(h.vm_id, str(tenant), r.name, str(host), r.class_name, h.priority, mode, devices))
+    return tuple(out)
+
+
+def _pools_for(ctl: Controller, conn: Connection, req: VmRequest) -> list[Any]:
+    ask = ctl._ask(conn, req)
+    if isinstance(ask, str):
+        return []
+    return list(ask.pools)
+
+
+def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
+    """What preempting for the request would free (nothing happens): its class, the pool and host, the victims.
+    NoCapacity when no allowed set of victims makes room; InvalidInput as the request itself would get."""
+    with ctl.engine.connect() as conn:
+        t_id = ctl._tenant_id(conn, req.tenant)
+        cls = resolve(conn, t_id, req.tenant, req.priority)
+        pools = _pools_for(ctl, conn, req)
+        found = plan_preemption(ctl, conn, req, cls, pools)
+        if found is None:
+            raise _no_victims(req, cls)
+        pre, pool, rows = found
+        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
+        return PreemptionPlan(cls.name or None, cls.value, pool.name, host, _victims(conn, pre, rows),
+                              "fits without preemption" if not pre.victims else "capacity")
+
+
+def _no_victims(req: VmRequest, cls: PriorityClass) -> NoCapacity:
+    return NoCapacity(f"preempting does not help: no set of preemptible VMs of priority below {cls.value} "
+                      f"({cls.name or 'no class'}) frees room for VM {req.name!r} by geometry",
+                      reasons=[{"kind": "preemption", "priority": cls.value, "priority_class": cls.name or None}])
+
+
+def wants_preemption(cls: PriorityClass, preempt: bool | None) -> bool:
+    """Whether a refused request of `cls` preempts: as asked (`preempt`), else by its class's policy; never for
+    a class whose policy is `never`."""
+    if cls.preemption_policy is PreemptionPolicy.NEVER:
+        return False
+    return cls.value > 0 and (preempt if preempt is not None else cls.name != "")
+
+
+def grace_stop(ctl: Controller, host: Any, domain: str, grace_s: float) -> bool:
+    """Shut a domain down gracefully (ACPI), wait up to `grace_s` for it to stop, then force it off; whether it
+    had to be forced."""
+    driver = ctl.hosts.get(host)
+    with contextlib.suppress(VgpuCtlError):  # a guest that ignores ACPI is forced off below
+        driver.stop_domain(domain, force=False)
+    deadline = time.monotonic() + grace_s
+    while True:
+        active = any(d.name == domain and d.active for d in driver.list_domains())
+        if not active:
+            return False
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.5, max(deadline - time.monotonic(), 0.01)))
+    driver.stop_domain(domain, force=True)
+    return True
+
+
+def _requeue_request(conn: Connection, vm: Any, tenant: str, victim: Victim, preemptor: int,
+                     cooldown_s: float, history: Mapping[str, Any]) -> dict[str, Any]:
+    spec = vm.spec if isinstance(vm.spec, dict) else {}
+    return {"tenant": tenant, "name": vm.name, "vgpus": [{"profile": p, "count": n} for p, n in spec.get("vgpus", [])],
+            "vcpus": int(vm.vcpus), "memory_mib": int(vm.memory_mib), "pool": spec.get("pool"),
+            "labels": spec.get("labels", {}), "anti_affinity": vm.anti_affinity, "template": spec.get("template"),
+            "priority": victim.priority_class, "vm_id": vm.id,
+            "history": {"preemptions": int(history.get("preemptions", 0)) + 1, "protected_below": preemptor,
+                        "protected_until": time.time() + cooldown_s},
+            "requeued": True}
+
+
+def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "capacity") -> PreemptionPlan:
+    """Free the victims that let the request fit: each audited (preemptor, victims, reason), shut down with the
+    grace period, then requeued (its request queued again at its priority, with a cool-down) or cancelled; the
+    plan carried out. NoCapacity when no allowed set makes room."""
+    from vgpu_ctl.service.provision import domain_name, release_vm
+    with ctl.engine.connect() as conn:
+        pools = _pools_for(ctl, conn, req)
+        found = plan_preemption(ctl, conn, req, cls, pools)
+        if found is None or not found[0].victims:
+            if found is None:
+                raise _no_victims(req, cls)
+            host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found[0].plan.host_id)).scalar()
+            return PreemptionPlan(cls.name or None, cls.value, found[1].name, host, (), "fits without preemption")
+        pre, pool, rows = found
+        victims = _victims(conn, pre, rows)
+        host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
+        conf = settings(conn)
+    result = PreemptionPlan(cls.name or None, cls.value, pool.name, host_name, victims, reason)
+    with ctl.tx() as conn:
+        record(conn, ctl.principal.actor, "vm.preempt", f"vm:{req.tenant}/{req.name}", tenant=req.tenant,
+               params={"preemptor": {"tenant": req.tenant, "name": req.name, "priority_class": cls.name or None,
+                                     "priority": cls.value},
+                       "victims": [v.to_dict() for v in victims], "reason": reason, "pool": pool.name,
+                       "host": host_name})
+    system = ctl.acting_as(Principal(f"{ctl.principal.actor} (preemption)"))
+    for v in victims:
+        with ctl.engine.connect() as conn:
+            vm = conn.execute(select(VM).where(VM.c.id == v.vm_id)).first()
+            host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).first() if vm else None
+            hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
+        if vm is None or host is None:
+            continue  # gone meanwhile: it freed its room already
+        forced = grace_stop(ctl, host, domain_name(vm), conf["grace_s"]) if vm.state == "running" else False
+        queued = _requeue_request(conn, vm, v.tenant, v, cls.value, conf["cooldown_s"],
+                                  {"preemptions": hist.preemptions if hist else 0}) \
+            if v.mode == PreemptionMode.REQUEUE.value else None
+        release_vm(system, v.vm_id)
+        with ctl.tx() as conn:
+            if queued is not None:
+                _enqueue(conn, Principal(ctl.principal.actor), vm.tenant_id, queued, v.vm_id)
+            record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
+                   params={"name": v.name, "mode": v.mode, "reason": reason, "forced": forced,
+                           "preemptor": f"{req.tenant}/{req.name}", "priority": cls.value})
+    return result
+
+
+# -- the queue --------------------------------------------------------------------------------------------------
+
+def _enqueue(conn: Connection, principal: Principal, tenant_id: int, request: Mapping[str, Any],
+             vm_id: str | None, reason: dict[str, Any] | None = None) -> str:
+    now = utcnow()
+    op_id = str(uuid.uuid4())
+    conn.execute(OPERATION.insert().values(
+        id=op_id, kind="vm.create", state="pending", actor=principal.actor, role=principal.role,
+        tenant_id=tenant_id, vm_id=vm_id, request=dict(request), lease_holder=QUEUE_HOLDER, lease_expires=None,
+        attempts=0, created_at=now, updated_at=now, error=reason))
+    return op_id
+
+
+def enqueue(ctl: Controller, req: VmRequest, exc: Refused) -> str:
+    """Queue a refused request as a pending operation with the reason it waits; its id."""
+    request = {"tenant": req.tenant, "name": req.name,
+               "vgpus": [{"profile": v.profile, "count": v.count} for v in req.vgpus], "vcpus": req.vcpus,
+               "memory_mib": req.memory_mib, "pool": req.pool, "labels": dict(req.labels),
+               "anti_affinity": req.anti_affinity, "template": req.template, "priority": req.priority}
+    with ctl.tx() as conn:
+        t_id = ctl._tenant_id(conn, req.tenant)
+        op_id = _enqueue(conn, ctl.principal, t_id, request, None, exc.to_dict())
+        record(conn, ctl.principal.actor, "vm.queue", f"vm:{req.tenant}/{req.name}", tenant=req.tenant,
+               params={"operation": op_id, "reason": exc.message})
+    return op_id
+
+
+def _queued_rows(conn: Connection) -> list[Any]:
+    return list(conn.execute(select(OPERATION).where(OPERATION.c.state == "pending",
+                                                     OPERATION.c.lease_holder == QUEUE_HOLDER)).all())
+
+
+def queue_order(conn: Connection, catalog: Any) -> list[tuple[Any, PriorityClass, float]]:
+    """The queued requests in admission order: priority (highest first), then fair share (highest factor
+    first), then age; each with its class and its tenant's factor."""
+    rows = _queued_rows(conn)
+    if not rows:
+        return []
+    known = classes(conn)
+    tree, _ = share_tree(conn, catalog)
+    factor = {r.name: r.factor or 0.0 for r in tree if not r.account}
+    names = dict(conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)).all())
+    out = []
+    for r in rows:
+        asked = r.request.get("priority")
+        cls = known.get(asked, NO_CLASS) if asked else _default_for(conn, r.tenant_id, known)
+        out.append((r, cls, factor.get(names.get(r.tenant_id, ""), 0.0)))
+    out.sort(key=lambda x: (-x[1].value, -x[2], x[0].created_at, x[0].id))
+    return out
+
+
+def _default_for(conn: Connection, tenant_id: int, known: Mapping[str, PriorityClass]) -> PriorityClass:
+    ts = tenant_settings(conn, tenant_id)
+    try:
+        return resolve_class(None, known, ts["priority_classes"], ts["default_priority"])
+    except InvalidInput:
+        return NO_CLASS
+
+
+def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[dict[str, Any]]:
+    """What waits, in admission order: position, tenant, name, class and value, fair-share factor, since when,
+    whether it is a preempted VM requeued, and why it waits."""
+    names = dict(conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)).all())
+    out = []
+    for pos, (r, cls, factor) in enumerate(queue_order(conn, catalog), start=1):
+        if principal.tenant_id is not None and r.tenant_id != principal.tenant_id:
+            continue
+        why = (r.error or {}).get("message") if isinstance(r.error, dict) else None
+        out.append({"position": pos, "operation": r.id, "tenant": names.get(r.tenant_id), "name": r.request["name"],
+                    "priority_class": cls.name or None, "priority": cls.value, "fairshare": round(factor, 6),
+                    "since": r.created_at.isoformat(), "requeued": bool(r.request.get("requeued")),
+                    "vm_id": r.vm_id, "reason": why})
+    return out
+
+
+def admit_queued(ctl: Controller) -> list[str]:
+    """Try the queued requests in admission order (each one that fits now is admitted, provisioned and its
+    operation finished; one that does not keeps waiting with its new reason); the ids of those admitted. Runs
+    in process after a release and when asked (`vgpuctl queue --admit`)."""
+    from vgpu_ctl.service.operations import principal_of
+    from vgpu_ctl.service.requests import VgpuRequest, VmRequest
+    admitted: list[str] = []
+    with ctl.engine.connect() as conn:
+        order = queue_order(conn, ctl.catalog)
+        askers = {r.id: principal_of(conn, r) for r, _, _ in order}
+    for row, _cls, _f in order:
+        q = dict(row.request)
+        claim_holder = f"admit-{uuid.uuid4()}"
+        with ctl.tx() as conn:  # take it: one admitter per queued request
+            took = conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.state == "pending",
+                                                        OPERATION.c.lease_holder == QUEUE_HOLDER)
+                                .values(lease_holder=claim_holder, updated_at=utcnow()))
+            if took.rowcount != 1:
+                continue
+        req = VmRequest(q["tenant"], q["name"], tuple(VgpuRequest(v["profile"], v["count"]) for v in q["vgpus"]),
+                        q["vcpus"], q["memory_mib"], q.get("pool"), dict(q.get("labels") or {}),
+                        q.get("anti_affinity"), f"op-{row.id}", q.get("template"), priority=q.get("priority"),
+                        vm_id=q.get("vm_id"), history=q.get("history"))
+        actor = ctl.acting_as(askers[row.id])
+        state, result, error = "pending", None, None
+        try:
+            vm = admit(actor, req)
+            state, result = "succeeded", vm.to_dict()
+            admitted.append(vm.id)
+        except Refused as exc:
+            error = exc.to_dict()
+        except VgpuCtlError as exc:
+            state, error = "failed", exc.to_dict()
+        now = utcnow()
+        with ctl.tx() as conn:
+            done = state != "pending"
+            conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.lease_holder == claim_holder)
+                         .values(state=state, result=result, error=error, updated_at=now,
+                                 lease_holder=None if done else QUEUE_HOLDER, attempts=OPERATION.c.attempts + 1,
+                                 finished_at=now if done else None,
+                                 vm_id=result["id"] if result else row.vm_id))
+            if state == "succeeded":
+                record(conn, ctl.principal.actor, "vm.admit", f"vm:{result['id'] if result else ''}",
+                       tenant=q["tenant"], params={"operation": row.id, "name": q["name"],
+                                                   "requeued": bool(q.get("requeued"))})
+    return admitted
+
+
+def capacity_freed(ctl: Controller) -> list[str]:
+    """What a release calls: fold old usage intervals when many, then admit what waits; the VMs admitted."""
+    with ctl.engine.connect() as conn:
+        waiting = conn.execute(select(func.count()).select_from(OPERATION)
+                               .where(OPERATION.c.state == "pending", OPERATION.c.lease_holder == QUEUE_HOLDER)
+                               ).scalar()
+        closed = conn.execute(select(func.count()).select_from(INTERVAL)).scalar()
+    if closed and closed >= COMPACT_AT:
+        with ctl.tx() as conn:
+            compact(conn, time.time(), settings(conn)["half_life_s"])
+    return admit_queued(ctl) if waiting else []
+
+
+def cancel_queued(ctl: Controller, op_id: str) -> None:
+    """Take a queued request out of the queue (its operation fails as cancelled); NotFound if it is not
+    queued or not the caller's."""
+    with ctl.tx() as conn:
+        row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+        if row is None or row.state != "pending" or row.lease_holder != QUEUE_HOLDER or (
+                ctl.principal.tenant_id is not None and row.tenant_id != ctl.principal.tenant_id):
+            raise NotFound(f"queued request {op_id!r} not found", reasons=[{"field": "operation", "value": op_id}])
+        now = utcnow()
+        conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == "pending")
+                     .values(state="failed", lease_holder=None, updated_at=now, finished_at=now,
+                             error={"code": "cancelled", "message": "taken out of the queue", "reasons": []}))
+        record(conn, ctl.principal.actor, "vm.dequeue", f"operation:{op_id}",
+               params={"name": row.request.get("name")})
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+def preemption_counts(conn: Connection) -> dict[tuple[str, str], int]:
+    """Preemptions so far by (reason, mode), counted from the audit trail (every replica's)."""
+    from vgpu_ctl.service.audit import EVENT
+    out: dict[tuple[str, str], int] = {}
+    for params, in conn.execute(select(EVENT.c.params).where(EVENT.c.action == "vm.preempted")):
+        p = params if isinstance(params, dict) else {}
+        key = (str(p.get("reason", "unknown")), str(p.get("mode", "unknown")))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+
+# -- the request path -------------------------------------------------------------------------------------------
+
+def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None,
+                  queue: bool) -> Any:
+    """What `request_vm` does with a refused request: for a lack of capacity, preempt (as asked, else as the
+    class's policy says) and claim again; if it still does not fit and `queue`, queue it (the pending operation
+    is returned). Otherwise the refusal is raised again. Returns what the claim returns."""
+    from vgpu_ctl.service.operations import get as get_operation
+    if isinstance(exc, NoCapacity):
+        with ctl.engine.connect() as conn:
+            cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
+        if preempt and cls.preemption_policy is PreemptionPolicy.NEVER:
+            raise InvalidInput(f"priority class {cls.name!r} has preemption policy 'never': its requests wait, "
+                               "they do not preempt (field preempt)",
+                               reasons=[{"field": "preempt", "value": True, "priority_class": cls.name}])
+        if wants_preemption(cls, preempt):
+            try:
+                preempt_for(ctl, req, cls)
+                return ctl._claim(req, False)
+            except NoCapacity as again:  # the refusal as it was, and why preempting did not help
+                exc = NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons])
+            except Refused as again:
+                exc = again
+    if queue:
+        op_id = enqueue(ctl, req, exc)
+        with ctl.engine.connect() as conn:
+            return get_operation(conn, ctl.principal, op_id)
+    raise exc
+
+
+def preempt_for(ctl: Controller, req: VmRequest, cls: PriorityClass) -> PreemptionPlan:
+    """Preempt for a request (see `preempt`); NoCapacity when nothing allowed makes room."""
+    return preempt(ctl, req, cls, "capacity")
+
+
+def admit(ctl: Controller, req: VmRequest) -> Any:
+    """Claim and provision a queued request now (no preemption); its VmInfo. Refused when it still does not
+    fit."""
+    from vgpu_ctl.service.provision import provision_vm
+    from vgpu_ctl.service.requests import VmInfo
+    claimed = ctl._claim(req, False)
+    if isinstance(claimed, str):
+        return ctl._made_by_key(req, claimed, True)
+    assert isinstance(claimed, VmInfo)
+    provision_vm(ctl, claimed.id)
+    return ctl.get_vm(claimed.id)
+
+
+# -- the facade (Controller.scheduling) -------------------------------------------------------------------------
+
+class Scheduling:
+    """Scheduling's API for one Controller (its principal, its store): priority classes, tenants' classes and
+    shares, accounts, settings, the fair-share report, the queue and preemption previews."""
+
+    def __init__(self, ctl: Controller) -> None:
+        """Act through `ctl` (its principal decides what may be seen and changed)."""
+        self.ctl = ctl
+
+    def create_class(self, name: str, value: int, *, preemptible: bool = False,
+                     preemption_policy: str = "lower-priority", preemption_mode: str = "requeue",
+                     default: bool = False, description: str = "") -> dict[str, Any]:
+        """Add a priority class (admin only); see `create_class`."""
+        self.ctl.principal.require_admin("priority create")
+        with self.ctl.tx() as conn:
+            return create_class(conn, self.ctl.principal.actor, name, value, preemptible=preemptible,
+                                preemption_policy=preemption_policy, preemption_mode=preemption_mode,
+                                default=default, description=description)
+
+    def list_classes(self) -> list[dict[str, Any]]:
+        """Every priority class, highest first, with its VMs (anyone may read them)."""
+        with self.ctl.engine.connect() as conn:
+            return list_classes(conn)
+
+    def delete_class(self, name: str) -> None:
+        """Remove an unused priority class (admin only)."""
+        self.ctl.principal.require_admin("priority delete")
+        with self.ctl.tx() as conn:
+            delete_class(conn, self.ctl.principal.actor, name)
+
+    def tenant(self, tenant: str) -> dict[str, Any]:
+        """A tenant's scheduling settings (a tenant caller sees only its own)."""
+        with self.ctl.engine.connect() as conn:
+            return {"tenant": tenant, **tenant_settings(conn, self.ctl._tenant_id(conn, tenant))}
+
+    def set_tenant(self, tenant: str, *, shares: int | None = None, account: str | None = _UNSET,
+                   default_priority: str | None = _UNSET,
+                   priority_classes: Collection[str] | None = _UNSET) -> dict[str, Any]:
+        """Change a tenant's shares, account, default class or allowed classes (admin only)."""
+        self.ctl.principal.require_admin("tenant set")
+        with self.ctl.tx() as conn:
+            t_id = self.ctl._tenant_id(conn, tenant)
+            out = set_tenant(conn, self.ctl.principal.actor, t_id, tenant, shares=shares, account=account,
+                             default_priority=default_priority, priority_classes=priority_classes)
+            return {"tenant": tenant, **out}
+
+    def set_account(self, name: str, shares: int = 1, parent: str | None = None) -> dict[str, Any]:
+        """Add or change an account of the share tree (admin only)."""
+        self.ctl.principal.require_admin("share account")
+        with self.ctl.tx() as conn:
+            return set_account(conn, self.ctl.principal.actor, name, shares, parent)
+
+    def delete_account(self, name: str) -> None:
+        """Remove an account without members (admin only)."""
+        self.ctl.principal.require_admin("share account delete")
+        with self.ctl.tx() as conn:
+            delete_account(conn, self.ctl.principal.actor, name)
+
+    def settings(self) -> dict[str, float]:
+        """The scheduling settings (half-life, grace, cool-down, in seconds)."""
+        with self.ctl.engine.connect() as conn:
+            return settings(conn)
+
+    def set_settings(self, **values: float | None) -> dict[str, float]:
+        """Change scheduling settings (admin only); all of them after."""
+        self.ctl.principal.require_admin("scheduling set")
+        with self.ctl.tx() as conn:
+            return set_settings(conn, self.ctl.principal.actor, values)
+
+    def share(self, now: float | None = None) -> list[dict[str, Any]]:
+        """The fair-share report (`sshare -l`); a tenant caller sees only its own row."""
+        with self.ctl.engine.connect() as conn:
+            return share_report(conn, self.ctl.catalog, self.ctl.principal, now)
+
+    def queue(self) -> list[dict[str, Any]]:
+        """What waits, in admission order (a tenant caller sees only its own)."""
+        with self.ctl.engine.connect() as conn:
+            return queue_report(conn, self.ctl.catalog, self.ctl.principal)
+
+    def admit(self) -> list[str]:
+        """Try to admit what waits now (admin only: it acts for every asker); the VMs admitted."""
+        self.ctl.principal.require_admin("queue admit")
+        return admit_queued(self.ctl)
+
+    def cancel(self, op_id: str) -> None:
+        """Take a queued request out of the queue (the admin, or the tenant that asked)."""
+        cancel_queued(self.ctl, op_id)
+
+    def preview(self, tenant: str, name: str, vgpus: Sequence[tuple[str, int]], *, vcpus: int, memory_mib: int,
+                pool: str | None = None, labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
+                priority: str | None = None) -> PreemptionPlan:
+        """The victims preempting for this request would free (a dry run: nothing changes)."""
+        from vgpu_ctl.service.requests import VgpuRequest, VmRequest
+        req = VmRequest(tenant, name, tuple(VgpuRequest(p, n) for p, n in vgpus), vcpus, memory_mib, pool,
+                        dict(labels or {}), anti_affinity, priority=priority)
+        req.validate()
+        return preview(self.ctl, req)
+
+    def preemption_counts(self) -> dict[tuple[str, str], int]:
+        """Preemptions so far by (reason, mode)."""
+        with self.ctl.engine.connect() as conn:
+            return preemption_counts(conn)
