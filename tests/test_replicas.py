@@ -304,6 +304,8 @@ def test_sigterm_drains_in_flight_operations_then_exits_0(sqlite_store: Store, t
     assert late.status_code == 503, late.text
     assert late.headers["content-type"].startswith("application/problem+json")
     assert late.json()["code"] == "draining"
+    ready = _ready(store, rep)
+    assert ready["draining"] is True and ready["ok"] is False  # 503: a load balancer sends no more work here
     # Still listening while draining: the caller can read its operation.
     op = httpx.get(f"{rep.url}/v1/operations/{op_id}", headers=store.auth(), timeout=30).json()
     assert op["state"] == "running"
@@ -332,8 +334,10 @@ def test_drain_timeout_leaves_the_operation_to_the_next_leader(sqlite_store: Sto
     r = httpx.post(f"{rep.url}/v1/vms", json={**VM_BODY, "name": "left"}, headers=store.auth(), timeout=30)
     op_id = r.json()["id"]
     _until("the worker at start_domain", Path(f"{gate}.waiting").exists, 60)
+    signalled = time.monotonic()
     rep.process.send_signal(signal.SIGTERM)
     assert rep.process.wait(30) == 1, rep.log_text()  # the drain timed out: not a clean stop
+    assert time.monotonic() - signalled < 1.0 + 4.0  # drain_timeout_s once (not again at close), then out
     assert "drain timed out" in rep.log_text()
     gate.unlink()
 

@@ -197,13 +197,11 @@ def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path,
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert rt.in_flight == 1
-        assert rt.drain(0.2) is False  # still running: the drain times out, saying so
-        assert not rt.accepting
         result: list[bool] = []
         t = threading.Thread(target=lambda: result.append(rt.drain(30)))
         t.start()
-        time.sleep(0.2)
-        assert t.is_alive() and rt.in_flight == 1
+        time.sleep(0.3)
+        assert t.is_alive() and rt.in_flight == 1 and not rt.accepting
         gate.unlink()
         t.join(30)
         assert result == [True] and rt.in_flight == 0
@@ -214,3 +212,35 @@ def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path,
             gate.unlink()
         rt.close()
     assert rt.drained is True
+
+
+def test_a_drain_that_times_out_bounds_the_next_one(tmp_path: Path, state_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"start_domain={gate}")
+    rt = _runtime(tmp_path)
+    try:
+        from vgpu_ctl.service.principals import Principal
+        ctl = rt.controller(Principal("test"))
+        gate.touch()
+        info = ctl.submit_vm_create("acme", "t", [("A100D-10C", 1)], vcpus=2, memory_mib=4096,
+                                    holder=rt.holder, lease_seconds=rt.cfg.operation_lease_s)
+        rt.dispatch(info.id)
+        deadline = time.monotonic() + 30
+        while not Path(f"{gate}.waiting").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        start = time.monotonic()
+        assert rt.drain(0.3) is False  # still running: the drain times out, saying so
+        assert rt.drain(30) is False  # close() after SIGTERM's drain: no second wait
+        assert time.monotonic() - start < 2.0
+        assert rt.in_flight == 1 and ctl.get_operation(info.id).state == "running"
+    finally:
+        gate.unlink()
+    deadline = time.monotonic() + 30
+    while rt.in_flight:  # the worker ends by itself once the step goes on
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ctl.get_operation(info.id).state == "succeeded"
+    rt.close()
+    assert rt.drained is True  # by then nothing ran any more

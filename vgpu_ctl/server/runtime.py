@@ -72,6 +72,7 @@ class Runtime:
         self._finished: dict[str, threading.Event] = {}
         self._accepting = True
         self._closed = False
+        self._drain_until: float | None = None  # the first drain's deadline: a later one waits no longer
         self.drained: bool | None = None  # after close: whether every operation of this process had ended
         self._stop = threading.Event()
         self._elector: Elector = elector_for(self.ctx.engine, self.ctx.state_path)
@@ -228,15 +229,17 @@ class Runtime:
                 "self": row.holder == self.holder}
 
     def ready(self) -> dict[str, object]:
-        """Whether the store answers, its schema is at head and a leader is known (`ok` all three)."""
-        out: dict[str, object] = {"store": False, "schema": None, "leader": None}
+        """Whether the store answers, its schema is at head and a leader is known (`ok` all three, and not
+        draining: a load balancer stops sending work to a replica that shuts down)."""
+        out: dict[str, object] = {"store": False, "schema": None, "leader": None, "draining": not self._accepting}
         try:
             out["schema"] = migrate.current_revision(self.ctx.engine)
             out["store"] = True
             out["leader"] = self.leader()
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
-        out["ok"] = bool(out["store"] and out["schema"] == migrate.head_revision() and out["leader"])
+        out["ok"] = bool(out["store"] and out["schema"] == migrate.head_revision() and out["leader"]
+                         and self._accepting)
         return out
 
     # -- shutdown ---------------------------------------------------------------------------------------------
@@ -244,17 +247,23 @@ class Runtime:
     def drain(self, timeout: float) -> bool:
         """Accept no new work (new VM creates and deletes get 503 `draining`, the leader takes over no more
         operations) and wait up to `timeout` seconds for the operations queued or running here to end;
-        whether they all did. The API keeps answering meanwhile, so callers can read their operations."""
-        deadline = time.monotonic() + timeout
+        whether they all did. The API keeps answering meanwhile, so callers can read their operations. A drain
+        after a first one (close after SIGTERM) ends no later than the first one's deadline."""
         with self._lock:
+            if self._drain_until is None:
+                self._drain_until = time.monotonic() + timeout
+            deadline = min(time.monotonic() + timeout, self._drain_until)
             self._accepting = False
-            if self._mine:
-                log.info("draining: waiting for %d operation(s) (at most %.0fs)", len(self._mine), timeout)
+            first = deadline > time.monotonic()
+            if self._mine and first:
+                log.info("draining: waiting for %d operation(s) (at most %.0fs)", len(self._mine),
+                         deadline - time.monotonic())
             while self._mine:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("drain timed out with %d operation(s) still running: the next leader takes "
-                                "them over once this process is gone", len(self._mine))
+                    if first:
+                        log.warning("drain timed out with %d operation(s) still running: the next leader takes "
+                                    "them over once this process is gone", len(self._mine))
                     return False
                 self._idle.wait(left)
         return True
