@@ -118,6 +118,26 @@ class FakeGi:
     start: int
     cis: dict[int, FakeCi] = field(default_factory=dict)
     processes: int = 0  # processes running on it: destroy is refused while > 0
+    fb_used_mib: int = 0  # framebuffer its MIG device uses
+
+
+@dataclass
+class FakeVgpu:
+    """An active vGPU instance on a GPU (host side), with what NVML reports of it. Utilization in percent."""
+
+    instance: int  # NVML vGPU instance id, unique on the host
+    type_name: str = "NVIDIA A100D-10C"
+    type_id: int = 558
+    mdev_uuid: str = ""  # "" on vendor-VFIO
+    vm_id: str = ""  # the domain UUID
+    fb_usage: int = 0  # bytes
+    sm: int = 0
+    mem: int = 0
+    enc: int = 0
+    dec: int = 0
+    jpg: int = 0
+    ofa: int = 0
+    gpu_instance_id: int = 0xFFFFFFFF  # a MIG-backed vGPU's GPU instance; INVALID otherwise
 
 
 @dataclass
@@ -130,6 +150,13 @@ class FakeGpu:
     mig_current: int = 1
     mig_pending: int = 1
     gis: dict[int, FakeGi] = field(default_factory=dict)
+    vgpus: list[FakeVgpu] = field(default_factory=list)
+    util_gpu: int = 0  # percent (nvmlDeviceGetUtilizationRates: NOT_SUPPORTED in MIG mode)
+    util_mem: int = 0
+    mem_used_mib: int = 0
+    power_mw: int = 70000
+    temperature: int = 40
+    unsupported: set[str] = field(default_factory=set)  # NVML function names that answer NOT_SUPPORTED here
 
     @property
     def mig_capable(self) -> bool:
@@ -281,6 +308,9 @@ class FakeNvml(types.ModuleType):
         return self._gpu(handle).model.name
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        mig = self._mig(handle)
+        if mig is not None:
+            return f"MIG-{mig[0].uuid.removeprefix('GPU-')[:28]}{mig[1].id:08x}"
         return self._gpu(handle).uuid
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
@@ -294,11 +324,17 @@ class FakeNvml(types.ModuleType):
         return info
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
-        gpu = self._gpu(handle)
         mem = _real.c_nvmlMemory_t()
-        mem.total = gpu.model.memory_mib * 2**20
-        mem.used = 0
-        mem.free = mem.total
+        mig = self._mig(handle)
+        if mig is not None:
+            gpu, gi = mig
+            self._supported(gpu, "nvmlDeviceGetMemoryInfo")
+            mem.total, mem.used = gi.profile.memory_mib * 2**20, gi.fb_used_mib * 2**20
+        else:
+            gpu = self._gpu(handle)
+            self._supported(gpu, "nvmlDeviceGetMemoryInfo")
+            mem.total, mem.used = gpu.model.memory_mib * 2**20, gpu.mem_used_mib * 2**20
+        mem.free = mem.total - mem.used
         return mem
 
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
@@ -452,3 +488,135 @@ class FakeNvml(types.ModuleType):
         del gi.cis[ci.id]
         self._record(f"destroy_ci gi={gi.id} ci={ci.id}")
         return int(_real.NVML_SUCCESS)
+
+    # --- monitoring (read-only) ----------------------------------------------------------------------------
+    def _supported(self, gpu: FakeGpu, call: str) -> None:
+        if call in gpu.unsupported:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
+
+    def _mig(self, handle: Any) -> tuple[FakeGpu, FakeGi] | None:
+        """The GPU and GPU instance of a MIG device handle; None for any other handle."""
+        self._check_init()
+        a = _addr(handle)
+        if (a >> 16) & 0xF != 3:
+            return None
+        dev, gi_id = a >> 20, a & 0xFFFF
+        if not 1 <= dev <= len(self.gpus) or gi_id not in self.gpus[dev - 1].gis:
+            raise self._err(_real.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.gpus[dev - 1]
+        return gpu, gpu.gis[gi_id]
+
+    def _vgpu(self, instance: int) -> tuple[FakeGpu, FakeVgpu]:
+        self._check_init()
+        for gpu in self.gpus:
+            for v in gpu.vgpus:
+                if v.instance == int(instance):
+                    return gpu, v
+        raise self._err(_real.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        mig = self._mig(handle)
+        if mig is not None:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetUtilizationRates")
+        if gpu.mig_capable and gpu.mig_current == _real.NVML_DEVICE_MIG_ENABLE:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)  # "not currently supported" on MIG-enabled GPUs
+        util = _real.c_nvmlUtilization_t()
+        util.gpu, util.memory = gpu.util_gpu, gpu.util_mem
+        return util
+
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetPowerUsage")
+        return gpu.power_mw
+
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetTemperature")
+        if sensor != _real.NVML_TEMPERATURE_GPU:
+            raise self._err(_real.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.temperature
+
+    def nvmlDeviceGetActiveVgpus(self, handle: Any) -> list[int]:
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetActiveVgpus")
+        return [v.instance for v in gpu.vgpus]
+
+    def nvmlDeviceGetVgpuUtilization(self, handle: Any, timeStamp: int) -> list[Any]:
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetVgpuUtilization")
+        out = []
+        for v in gpu.vgpus:
+            s = _real.c_nvmlVgpuInstanceUtilizationSample_t()
+            s.vgpuInstance, s.timeStamp = v.instance, int(timeStamp) + 1
+            s.smUtil.uiVal, s.memUtil.uiVal, s.encUtil.uiVal, s.decUtil.uiVal = v.sm, v.mem, v.enc, v.dec
+            out.append(s)
+        return out
+
+    def nvmlDeviceGetVgpuInstancesUtilizationInfo(self, handle: Any, timeStamp: int) -> list[Any]:
+        gpu = self._gpu(handle)
+        self._supported(gpu, "nvmlDeviceGetVgpuInstancesUtilizationInfo")
+        out = []
+        for v in gpu.vgpus:
+            s = _real.c_nvmlVgpuInstanceUtilizationInfo_v1_t()
+            s.vgpuInstance, s.timeStamp = v.instance, int(timeStamp) + 1
+            s.smUtil.uiVal, s.memUtil.uiVal, s.encUtil.uiVal, s.decUtil.uiVal = v.sm, v.mem, v.enc, v.dec
+            s.jpgUtil.uiVal, s.ofaUtil.uiVal = v.jpg, v.ofa
+            out.append(s)
+        return out
+
+    def nvmlVgpuInstanceGetFbUsage(self, vgpuInstance: int) -> int:
+        gpu, v = self._vgpu(vgpuInstance)
+        self._supported(gpu, "nvmlVgpuInstanceGetFbUsage")
+        return v.fb_usage
+
+    def nvmlVgpuInstanceGetMdevUUID(self, vgpuInstance: int) -> str:
+        gpu, v = self._vgpu(vgpuInstance)
+        self._supported(gpu, "nvmlVgpuInstanceGetMdevUUID")
+        return v.mdev_uuid
+
+    def nvmlVgpuInstanceGetVmID(self, vgpuInstance: int) -> tuple[str, int]:
+        gpu, v = self._vgpu(vgpuInstance)
+        self._supported(gpu, "nvmlVgpuInstanceGetVmID")
+        return v.vm_id, _real.NVML_VGPU_VM_ID_UUID
+
+    def nvmlVgpuInstanceGetGpuInstanceId(self, vgpuInstance: int) -> int:
+        gpu, v = self._vgpu(vgpuInstance)
+        self._supported(gpu, "nvmlVgpuInstanceGetGpuInstanceId")
+        return v.gpu_instance_id
+
+    def nvmlVgpuInstanceGetType(self, vgpuInstance: int) -> int:
+        _gpu, v = self._vgpu(vgpuInstance)
+        return v.type_id
+
+    def nvmlVgpuTypeGetName(self, vgpuTypeId: int) -> str:
+        self._check_init()
+        for gpu in self.gpus:
+            for v in gpu.vgpus:
+                if v.type_id == vgpuTypeId:
+                    return v.type_name
+        raise self._err(_real.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        gpu = self._gpu(device)
+        if not gpu.mig_capable:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.model.max_gis
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        gpu = self._gpu(device)
+        if not gpu.mig_capable or gpu.mig_current != _real.NVML_DEVICE_MIG_ENABLE:
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)
+        with_ci = [gi for _id, gi in sorted(gpu.gis.items()) if gi.cis]  # a MIG device is a GI's compute instance
+        if not 0 <= index < len(with_ci):
+            raise self._err(_real.NVML_ERROR_NOT_FOUND)
+        addr = ((self._index(gpu) + 1) << 20) | (3 << 16) | with_ci[index].id
+        return ctypes.cast(ctypes.c_void_p(addr), _real.c_nvmlDevice_t)
+
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        mig = self._mig(device)
+        if mig is None:
+            self._gpu(device)
+            raise self._err(_real.NVML_ERROR_NOT_SUPPORTED)  # a physical GPU is not a MIG device
+        return mig[1].id

@@ -22,6 +22,7 @@ from vgpu_ctl.errors import HostError, VgpuCtlError
 from vgpu_ctl.hosts.hostside import HostFacts, HostSide, LocalHostSide
 from vgpu_ctl.hosts.nodedev import DeviceBackend
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDevice
+from vgpu_ctl.hosts.utilization import HostSample
 
 PROTOCOL = 1
 AGENT_COMMAND_ENV = "VGPU_CTL_AGENT_COMMAND"  # the agent's command line on remote hosts
@@ -58,6 +59,9 @@ def _dispatch(side: HostSide, req: dict[str, Any]) -> Any:
         return side.facts([str(g) for g in req.get("gpus", [])]).to_dict()
     if op == "probe":
         return side.probe()
+    if op == "utilization":  # read-only: what the GPUs do now (hosts.utilization)
+        from vgpu_ctl.hosts.utilization import sample_side
+        return sample_side(side).to_dict()
     backend_name = req.get("backend")
     if backend_name not in BACKENDS:
         raise errors.InvalidInput(f"agent: unknown backend {backend_name!r} (known: {', '.join(BACKENDS)})")
@@ -224,6 +228,10 @@ class AgentHostSide:
         """The host's preflight facts, read by the agent."""
         out: dict[str, Any] = self.client.request("probe")
         return out
+
+    def utilization(self) -> HostSample:
+        """What the host's GPUs and vGPUs do now, sampled by the agent (read-only)."""
+        return HostSample.from_dict(self.client.request("utilization"))
 
 
 def remote_host_side(host: str, uri: str) -> HostSide:

@@ -150,9 +150,11 @@ class StoreCollector:
 
 
 def registry_for(ctl: Controller) -> CollectorRegistry:
-    """A registry holding only the store collector."""
+    """A registry holding the store collector and the utilization one (NVML on the GPU hosts)."""
+    from vgpu_ctl.ops.utilization import UtilizationCollector
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(ctl))
+    reg.register(UtilizationCollector(ctl))
     return reg
 
 

@@ -1,0 +1,331 @@
+"""Real utilization of the fleet: each GPU host's NVML sample (hosts.utilization, through the host agent) joined
+with the store, so every vGPU carries its device (claim), VM, tenant and pool; and idle-vGPU detection.
+
+The join: a vGPU's mdev uuid is the store device's uuid; where NVML gives no mdev (vendor-VFIO VFs), the VM's
+domain UUID (`nvmlVgpuInstanceGetVmID`) and the GPU pick the device. A MIG instance is the device on its GPU
+whose handle names its GPU-instance id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from vgpu_ctl.errors import HostError, InvalidInput
+from vgpu_ctl.hosts.utilization import HostSample, sample_side
+from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
+from vgpu_ctl.service.inventory_apply import POOL, VM
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.controller import Controller
+
+DEFAULT_IDLE_THRESHOLD = 0.05  # a vGPU whose busiest engine is below 5 % ...
+DEFAULT_IDLE_FOR_S = 1800.0  # ... for 30 minutes is idle
+MAX_IDLE_FOR_S = 366 * 86400.0
+ALLOCATED = ("claimed", "ready")  # device states that hold GPU space
+
+# A sampler reads one host row (name, uri, driver, ...): its sample, or None when it has nothing to read there.
+Sampler = Callable[[Any], HostSample | None]
+
+
+def check_idle_threshold(value: object, field_name: str = "idle_threshold") -> float:
+    """A utilization ratio in [0, 1] (0.05 = 5 %); InvalidInput naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value <= 1.0:
+        raise InvalidInput(f"{field_name} must be a utilization ratio from 0 to 1 (0.05 = 5 %), got {value!r}",
+                           reasons=[{"field": field_name, "value": repr(value)}])
+    return float(value)
+
+
+def check_idle_for(value: object, field_name: str = "idle_for") -> float:
+    """A duration in seconds from 0 to a year; InvalidInput naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value <= MAX_IDLE_FOR_S:
+        raise InvalidInput(f"{field_name} must be seconds from 0 to {MAX_IDLE_FOR_S:.0f}, got {value!r}",
+                           reasons=[{"field": field_name, "value": repr(value)}])
+    return float(value)
+
+
+@dataclass
+class GpuUsage:
+    """A physical GPU's sample, with where it sits in the store."""
+
+    host: str
+    pci: str
+    uuid: str
+    index: int
+    name: str
+    model: str | None = None
+    pool: str | None = None
+    gpu_id: int | None = None
+    mig: bool = False
+    utilization: float | None = None
+    memory_utilization: float | None = None
+    fb_used_bytes: int | None = None
+    fb_total_bytes: int | None = None
+    power_watts: float | None = None
+    temperature_c: float | None = None
+    xid_errors: int | None = None
+    last_xid: int | None = None
+
+
+@dataclass
+class VgpuUsage:
+    """A vGPU's (or MIG instance's) sample, attributed: its device (the claim), VM, tenant and pool. `device` is
+    None for a vGPU the store does not know (made outside the controller)."""
+
+    host: str
+    gpu_pci: str
+    gpu_uuid: str
+    gpu_index: int
+    kind: str  # "vgpu" or "mig"
+    device: str | None = None
+    uuid: str | None = None  # mdev uuid (vGPU) or MIG device uuid
+    profile: str | None = None
+    vm: str | None = None
+    vm_id: str | None = None
+    tenant: str | None = None
+    pool: str | None = None
+    gpu_instance_id: int | None = None
+    gpu_instance_profile: str | None = None
+    sm: float | None = None
+    memory: float | None = None
+    encoder: float | None = None
+    decoder: float | None = None
+    jpeg: float | None = None
+    ofa: float | None = None
+    fb_used_bytes: int | None = None
+    fb_total_bytes: int | None = None
+
+    @property
+    def busiest(self) -> float | None:
+        """The utilization of its busiest engine (None: NVML gives none for it)."""
+        values = [v for v in (self.sm, self.memory, self.encoder, self.decoder, self.jpeg, self.ofa)
+                  if v is not None]
+        return max(values) if values else None
+
+
+@dataclass
+class FleetUsage:
+    """One round of samples over the fleet, joined with the store."""
+
+    time: float
+    gpus: list[GpuUsage] = field(default_factory=list)
+    vgpus: list[VgpuUsage] = field(default_factory=list)
+    hosts: dict[str, str | None] = field(default_factory=dict)  # host -> None (sampled) or why not
+    notes: list[str] = field(default_factory=list)
+    # allocated store devices on sampled hosts that NVML showed no vGPU for: device -> (vm state, VgpuUsage)
+    unseen: dict[str, tuple[str, VgpuUsage]] = field(default_factory=dict)
+
+
+def default_sampler(ctl: Controller) -> Sampler:
+    """Sample each libvirt host through its agent (in process for a local URI, over SSH otherwise); simulated
+    hosts have no GPUs to read and are skipped."""
+    def read(host: Any) -> HostSample | None:
+        if host.driver == "simulated":
+            return None
+        return sample_side(ctl.hosts.side(host))
+    return read
+
+
+def sample_hosts(ctl: Controller, sampler: Sampler | None = None,
+                 hosts: Iterable[str] | None = None) -> tuple[dict[str, HostSample], dict[str, str | None]]:
+    """Each host's sample (admin or reader), and per host None (sampled) or why it was not: a HostError (NVML
+    missing, agent unreachable) is that host's note, never the round's failure."""
+    ctl.principal.require_reader("utilization")
+    read = sampler or default_sampler(ctl)
+    wanted = None if hosts is None else set(hosts)
+    with ctl.engine.connect() as conn:
+        rows = conn.execute(select(HOST).order_by(HOST.c.name)).all()
+    out: dict[str, HostSample] = {}
+    status: dict[str, str | None] = {}
+    for row in rows:
+        if wanted is not None and row.name not in wanted:
+            continue
+        try:
+            got = read(row)
+        except HostError as exc:
+            status[row.name] = exc.message
+            continue
+        if got is None:
+            status[row.name] = "simulated host: no GPUs to sample" if row.driver == "simulated" else "not sampled"
+            continue
+        out[row.name] = got
+        status[row.name] = None
+    return out, status
+
+
+def fleet_usage(ctl: Controller, samples: Mapping[str, HostSample], now: float | None = None,
+                hosts: Mapping[str, str | None] | None = None) -> FleetUsage:
+    """Join host samples with the store: GPUs to their pool, vGPUs and MIG instances to their device, VM,
+    tenant and pool (admin or reader: it shows every tenant's VMs)."""
+    ctl.principal.require_reader("utilization")
+    times = [s.time for s in samples.values()]
+    out = FleetUsage(now if now is not None else (max(times) if times else 0.0), hosts=dict(hosts or {}))
+    if not samples:
+        return out
+    with ctl.engine.connect() as conn:
+        gpu_rows = conn.execute(
+            select(GPU.c.id, GPU.c.pci_address, GPU.c.model, HOST.c.name.label("host"), POOL.c.name.label("pool"))
+            .join(HOST, HOST.c.id == GPU.c.host_id).outerjoin(POOL, POOL.c.id == GPU.c.pool_id)
+            .where(HOST.c.name.in_(list(samples)))).all()
+        dev_rows = conn.execute(
+            select(DEVICE.c.id, DEVICE.c.uuid, DEVICE.c.profile, DEVICE.c.gpu_id, DEVICE.c.handle, DEVICE.c.state,
+                   DEVICE.c.framebuffer_mib, DEVICE.c.backing, VM.c.id.label("vm_id"), VM.c.name.label("vm"),
+                   VM.c.state.label("vm_state"), VM.c.domain_uuid, TENANT.c.name.label("tenant"))
+            .join(VM, VM.c.id == DEVICE.c.vm_id).join(TENANT, TENANT.c.id == VM.c.tenant_id)
+            .where(DEVICE.c.gpu_id.in_([g.id for g in gpu_rows]))).all()
+    gpu_at = {(g.host, g.pci_address.lower()): g for g in gpu_rows}
+    gpu_by_id = {g.id: g for g in gpu_rows}
+    by_uuid = {str(d.uuid).lower(): d for d in dev_rows if d.uuid}
+    by_domain: dict[tuple[int, str], list[Any]] = {}
+    by_gi: dict[tuple[int, int], Any] = {}
+    for d in dev_rows:
+        if d.domain_uuid:
+            by_domain.setdefault((d.gpu_id, str(d.domain_uuid).lower()), []).append(d)
+        gi = (d.handle or {}).get("gpu_instance_id")
+        if gi is not None:
+            by_gi[(d.gpu_id, int(gi))] = d
+    seen: set[str] = set()
+    for host, s in sorted(samples.items()):
+        out.notes += [f"{host}: {n}" for n in s.notes]
+        index_of: dict[str, int] = {}
+        for g in s.gpus:
+            row = gpu_at.get((host, g.pci.lower()))
+            index_of[g.pci] = g.index
+            out.gpus.append(GpuUsage(host, g.pci, g.uuid, g.index, g.name, row.model if row else None,
+                                     row.pool if row else None, row.id if row else None, g.mig, g.utilization,
+                                     g.memory_utilization, g.fb_used_bytes, g.fb_total_bytes, g.power_watts,
+                                     g.temperature_c, g.xid_errors, g.last_xid))
+        gi_profiles = {(m.gpu_pci, m.gpu_instance_id): m.profile for m in s.migs}
+        for v in s.vgpus:
+            row = gpu_at.get((host, v.gpu_pci.lower()))
+            dev = by_uuid.get(v.mdev_uuid or "")
+            if dev is None and row is not None and v.vm_id and v.vm_id_type == "uuid":
+                mine = by_domain.get((row.id, v.vm_id), [])
+                dev = mine[0] if len(mine) == 1 else None
+            u = VgpuUsage(host, v.gpu_pci, v.gpu_uuid, index_of.get(v.gpu_pci, -1), "vgpu", uuid=v.mdev_uuid,
+                          pool=row.pool if row else None, gpu_instance_id=v.gpu_instance_id,
+                          gpu_instance_profile=gi_profiles.get((v.gpu_pci, v.gpu_instance_id))
+                          if v.gpu_instance_id is not None else None,
+                          sm=v.sm, memory=v.memory, encoder=v.encoder, decoder=v.decoder, jpeg=v.jpeg, ofa=v.ofa,
+                          fb_used_bytes=v.fb_used_bytes)
+            _attribute(u, dev, gpu_by_id)
+            if dev is not None:
+                seen.add(dev.id)
+            out.vgpus.append(u)
+        for m in s.migs:
+            row = gpu_at.get((host, m.gpu_pci.lower()))
+            dev = by_gi.get((row.id, m.gpu_instance_id)) if row is not None else None
+            if dev is not None and dev.id in seen:
+                continue  # a MIG-backed vGPU: its vGPU row already carries it
+            u = VgpuUsage(host, m.gpu_pci, m.gpu_uuid, index_of.get(m.gpu_pci, -1), "mig", uuid=m.uuid,
+                          pool=row.pool if row else None, gpu_instance_id=m.gpu_instance_id,
+                          gpu_instance_profile=m.profile, fb_used_bytes=m.fb_used_bytes,
+                          fb_total_bytes=m.fb_total_bytes, sm=m.utilization)
+            _attribute(u, dev, gpu_by_id)
+            if dev is not None:
+                seen.add(dev.id)
+            out.vgpus.append(u)
+    for d in dev_rows:
+        if d.id in seen or d.state not in ALLOCATED or d.backing == "passthrough":
+            continue  # passthrough: the host can't see into the GPU
+        at = gpu_by_id[d.gpu_id]
+        u = VgpuUsage(at.host, at.pci_address, "", -1, "vgpu", uuid=d.uuid, pool=at.pool)
+        _attribute(u, d, gpu_by_id)
+        out.unseen[d.id] = (str(d.vm_state), u)
+    return out
+
+
+def _attribute(u: VgpuUsage, dev: Any, gpus: Mapping[int, Any]) -> None:
+    if dev is None:
+        return
+    u.device, u.profile, u.vm, u.vm_id, u.tenant = dev.id, dev.profile, dev.vm, dev.vm_id, dev.tenant
+    u.pool = gpus[dev.gpu_id].pool
+    if u.fb_total_bytes is None:
+        u.fb_total_bytes = int(dev.framebuffer_mib) * 2**20
+
+
+def collect_usage(ctl: Controller, sampler: Sampler | None = None, hosts: Iterable[str] | None = None,
+                  now: float | None = None) -> FleetUsage:
+    """Sample the hosts (or those named) and join the samples with the store, in one call."""
+    samples, status = sample_hosts(ctl, sampler, hosts)
+    return fleet_usage(ctl, samples, now, status)
+
+
+def load_by_gpu(usage: FleetUsage) -> dict[int, float]:
+    """Measured load per store GPU id, 0..1: the GPU's own utilization where NVML gives it, else (MIG mode, or
+    unsupported) the largest of its vGPUs' and instances' busiest engines; GPUs NVML saw nothing on: 0."""
+    out: dict[int, float] = {}
+    by_gpu: dict[tuple[str, str], list[float]] = {}
+    for v in usage.vgpus:
+        b = v.busiest
+        if b is not None:
+            by_gpu.setdefault((v.host, v.gpu_pci), []).append(b)
+    for g in usage.gpus:
+        if g.gpu_id is None:
+            continue
+        if g.utilization is not None:
+            out[g.gpu_id] = g.utilization
+        else:
+            out[g.gpu_id] = max(by_gpu.get((g.host, g.pci), [0.0]))
+    return out
+
+
+@dataclass
+class IdleVgpu:
+    """An allocated vGPU and how long it has been below the threshold."""
+
+    device: str
+    host: str
+    gpu_pci: str
+    profile: str | None
+    vm: str | None
+    tenant: str | None
+    pool: str | None
+    utilization: float  # its busiest engine now (0 for a VM that is not running)
+    below_since: float  # when it was first seen below the threshold (epoch seconds)
+    idle: bool  # below the threshold for at least idle_for
+    why: str  # "utilization" or "vm <state>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dict(self.__dict__)
+
+
+class IdleTracker:
+    """Remembers, across rounds of samples, since when each allocated vGPU has been below a utilization
+    threshold; a vGPU below it for `idle_for_s` seconds is idle. The memory is this object's: a long-running
+    exporter (metrics serve, status --watch) keeps one; a single round can only see idleness with idle_for 0."""
+
+    def __init__(self, threshold: float = DEFAULT_IDLE_THRESHOLD, idle_for_s: float = DEFAULT_IDLE_FOR_S) -> None:
+        self.threshold = check_idle_threshold(threshold)
+        self.idle_for_s = check_idle_for(idle_for_s)
+        self._since: dict[str, tuple[str, float]] = {}  # device -> (host, below since)
+
+    def update(self, usage: FleetUsage) -> list[IdleVgpu]:
+        """Feed one round; the allocated vGPUs below the threshold now, each with since when and whether idle.
+        A vGPU the store does not know is never idle (nothing to free); one NVML gives no utilization for is
+        not judged; one of a VM that is not running counts as unused."""
+        now = usage.time
+        below: dict[str, tuple[VgpuUsage, float, str]] = {}
+        for v in usage.vgpus:
+            b = v.busiest
+            if v.device is not None and b is not None and b < self.threshold:
+                below[v.device] = (v, b, "utilization")
+        for device, (vm_state, v) in usage.unseen.items():
+            if vm_state != "running":
+                below[device] = (v, 0.0, f"vm {vm_state}")
+        sampled = {h for h, why in usage.hosts.items() if why is None} | {v.host for v in usage.vgpus}
+        # forget what went busy or went away on a sampled host; keep what sits on hosts not sampled this round
+        self._since = {d: (h, t) for d, (h, t) in self._since.items() if d in below or h not in sampled}
+        out = []
+        for device, (v, b, why) in sorted(below.items()):
+            _host, since = self._since.setdefault(device, (v.host, now))
+            out.append(IdleVgpu(device, v.host, v.gpu_pci, v.profile, v.vm, v.tenant, v.pool, b, since,
+                                now - since >= self.idle_for_s, why))
+        return out
