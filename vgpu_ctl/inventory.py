@@ -429,30 +429,42 @@ def _check_semantics(path: Path, lines: _Lines, inv: InventoryDecl, catalog: Cat
             if t.profile not in known:
                 fail(["pools", i, "demand", k, "profile"], f"unknown profile {t.profile!r} (see vgpuctl profiles list)")
     hosts: set[str] = set()
+    # A fleet declares a few kinds of GPU many times: each distinct declaration is checked once.
+    checked: dict[tuple[Any, ...], tuple[str, str] | None] = {}
     for hi, h in enumerate(inv.hosts):
         if h.name in hosts:
             fail(["hosts", hi, "name"], f"duplicate host {h.name!r}")
         hosts.add(h.name)
         for gi, g in enumerate(h.gpus):
-            here: list[int | str] = ["hosts", hi, "gpus", gi]
-            if g.model not in catalog.models:
-                fail([*here, "model"], f"unknown GPU model {g.model!r}; known: {', '.join(sorted(catalog.models))}")
-            if g.pool is not None and g.pool not in pools:
-                fail([*here, "pool"], f"unknown pool {g.pool!r}; pools in this file: {', '.join(sorted(pools))}")
-            try:
-                geom = geometry_for(catalog, g.model, g.mode)
-            except InvalidInput as exc:
-                fail([*here, "mode"], exc.message)
-            if g.vgpu_type is not None:
-                if g.mode is not Mode.VGPU_EQUAL:
-                    fail([*here, "vgpu_type"], "a pinned vgpu_type needs mode vgpu-equal")
-                if g.vgpu_type not in geom.shapes:
-                    fail([*here, "vgpu_type"], f"{g.model} has no vGPU type {g.vgpu_type!r}; known: "
-                                              f"{', '.join(sorted(geom.shapes))}")
-            if g.mig_layout is not None:
-                if g.mode is not Mode.MIG:
-                    fail([*here, "mig_layout"], "a mig_layout needs mode mig")
-                try:
-                    parse_mig_layout(geom, g.mig_layout)
-                except InvalidInput as exc:
-                    fail([*here, "mig_layout"], exc.message)
+            key = (g.model, g.mode, g.pool, g.vgpu_type, None if g.mig_layout is None else tuple(g.mig_layout))
+            if key not in checked:
+                checked[key] = _gpu_problem(catalog, g, pools)
+            problem = checked[key]
+            if problem is not None:
+                fail(["hosts", hi, "gpus", gi, problem[0]], problem[1])
+
+
+def _gpu_problem(catalog: Catalog, g: GpuDecl, pools: set[str]) -> tuple[str, str] | None:
+    """The first thing wrong with a GPU declaration against the catalog and the file's pools, as (field,
+    message); None when it is fine."""
+    if g.model not in catalog.models:
+        return "model", f"unknown GPU model {g.model!r}; known: {', '.join(sorted(catalog.models))}"
+    if g.pool is not None and g.pool not in pools:
+        return "pool", f"unknown pool {g.pool!r}; pools in this file: {', '.join(sorted(pools))}"
+    try:
+        geom = geometry_for(catalog, g.model, g.mode)
+    except InvalidInput as exc:
+        return "mode", exc.message
+    if g.vgpu_type is not None:
+        if g.mode is not Mode.VGPU_EQUAL:
+            return "vgpu_type", "a pinned vgpu_type needs mode vgpu-equal"
+        if g.vgpu_type not in geom.shapes:
+            return "vgpu_type", f"{g.model} has no vGPU type {g.vgpu_type!r}; known: {', '.join(sorted(geom.shapes))}"
+    if g.mig_layout is not None:
+        if g.mode is not Mode.MIG:
+            return "mig_layout", "a mig_layout needs mode mig"
+        try:
+            parse_mig_layout(geom, g.mig_layout)
+        except InvalidInput as exc:
+            return "mig_layout", exc.message
+    return None
