@@ -3,8 +3,9 @@
 compare the placed demand of today's carving with the advisor's, in one run.
 
 Demo: inventory/demo.yaml with inventory/demo-demand.yaml. Large: the trace's node list repeated until the fleet
-has --gpus GPUs (every GPU vgpu-equal, as the trace's cluster is carved today), and the trace's tasks that ask for
-GPUs cloned (a seeded draw) until their GPU request is --arrived times the fleet's GPUs. Each row runs the same
+has --gpus GPUs (every GPU vgpu-equal, as the trace's cluster is carved today; then again with every GPU that has
+MIG in MIG mode, a carving the advisor should undo), and the trace's tasks that ask for GPUs cloned (a seeded draw)
+until their GPU request is --arrived times the fleet's GPUs. Each row runs the same
 code as the CLI (demand and fleet read from their files, the replay, stranded capacity, hosts to add, the HTML
 report for plan; the candidates and their replays for advise) and is timed by wall clock.
 
@@ -89,22 +90,28 @@ def main(argv: list[str] | None = None) -> int:
         return (fleet_from_inventory(REPO / "inventory" / "demo.yaml", catalog),
                 load_demand(REPO / "inventory" / "demo-demand.yaml", catalog))
 
-    def large() -> tuple[Fleet, Demand]:
-        fleet = fleet_from_trace(nodes, catalog, "vgpu-equal", args.gpus)
-        demand = load_demand(tasks, catalog)
-        asked = sum(asked_gpus(catalog, demand.asks[i]) for i in demand.order)
-        return fleet, scaled(demand, args.arrived * fleet.gpu_count / asked, seed=42)
+    def large(mode: str) -> Callable[[], tuple[Fleet, Demand]]:
+        def load() -> tuple[Fleet, Demand]:
+            fleet = fleet_from_trace(nodes, catalog, mode, args.gpus)
+            demand = load_demand(tasks, catalog)
+            asked = sum(asked_gpus(catalog, demand.asks[i]) for i in demand.order)
+            return fleet, scaled(demand, args.arrived * fleet.gpu_count / asked, seed=42)
+        return load
 
     started = time.perf_counter()
-    rows = [case("demo", demo, args.policy), case(f"trace {args.trace} x{args.gpus} GPUs", large, args.policy)]
+    rows = [case("demo", demo, args.policy),
+            case(f"trace {args.trace} {args.gpus} GPUs", large("vgpu-equal"), args.policy),
+            case(f"trace {args.trace} {args.gpus} GPUs, MIG", large("mig"), args.policy)]
     header = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
               "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
-              "policy": args.policy, "arrived": args.arrived, "wall_s": round(time.perf_counter() - started, 1)}
+              "policy": args.policy, "arrived": args.arrived, "wall_s": round(time.perf_counter() - started, 1),
+              "load": os.getloadavg()[0]}
     if args.json:
         print(json.dumps({"header": header, "rows": rows}, indent=2))
         return 0
     print(f"bench_plan: {header['date']}, {header['cpus']} CPUs {header['machine']}, Python {header['python']}, "
-          f"policy {args.policy}, large demand at {args.arrived:g}x the fleet's GPUs; wall {header['wall_s']} s")
+          f"policy {args.policy}, large demand at {args.arrived:g}x the fleet's GPUs; wall {header['wall_s']} s, load "
+          f"average {header['load']:.1f} at the end")
     cols = (f"{'case':<28} {'hosts':>6} {'GPUs':>6} {'VMs':>6} {'plan s':>7} {'advise s':>8} {'today %':>8} "
             f"{'advised %':>9} {'gain VMs':>8}  winner")
     print(cols)
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['advise_s']:>8.2f} {r['today_pct']:>8.2f} {r['advised_pct']:>9.2f} {gain:>+8d}  {r['winner']}")
     for r in rows:
         cands = ", ".join(f"{n} {p:.2f}{' (sample)' if s else ''}" for n, p, s in r["candidates"])
-        print(f"  {r['case']}: candidates {cands}")
+        print(f"  {r['case']}: candidates {cands}; HTML report {r['report_kib']:g} KiB")
         if r["add_hosts"]:
             print(f"  {r['case']}: {r['add_hosts'][0]}" + (f" (+{len(r['add_hosts']) - 1} more)"
                                                           if len(r["add_hosts"]) > 1 else ""))

@@ -86,13 +86,18 @@ def test_bad_demand_exit_2(tmp_path: Path) -> None:
     assert "field requests[0].profile" in out["error"]["message"] and "'H100-9-99C'" in out["error"]["message"]
 
 
-def test_trace_advice_on_a_sampled_large_fleet() -> None:
+def test_trace_advice_compares_candidates_on_a_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     if not TRACES.is_dir():
         pytest.skip(f"no traces at {TRACES}")
+    import vgpu_ctl.planning.carving as carving
+    monkeypatch.setattr(carving, "SAMPLE_ABOVE", 300)
     fleet = fleet_from_trace(TRACES / "openb_node_list_gpu_node.csv", CATALOG)
     small = Fleet(fleet.hosts[::8], fleet.source)
     demand = scaled(load_demand(TRACES / "openb_pod_list_default.csv", CATALOG), small.gpu_count / 6212 * 1.1)
     advice = advise(CATALOG, small, demand)
     assert advice.advised.placed_share >= advice.today.placed_share
-    assert {s.name for s in advice.scores} >= {"today", "all vgpu-mixed", "all mig"}
+    assert {s.name for s in advice.scores if s.sampled} >= {"today", "all vgpu-mixed", "all mig"}
+    finals = [s for s in advice.scores if not s.sampled]  # today's and the winner, on the whole fleet
+    assert finals[0].name == "today" and advice.winner in {s.name for s in finals} and len(finals) <= 2
+    assert "all passthrough" not in {s.name for s in advice.scores}  # no request names a whole GPU
     assert all(g.action in ("keep", "re-carve") for g in advice.gpus)

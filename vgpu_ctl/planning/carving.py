@@ -34,7 +34,7 @@ from vgpu_ctl.planning.demand import Ask, Demand
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu
 from vgpu_ctl.planning.replay import Outcome, asked_gpus, resolve, run
 
-SAMPLE_ABOVE = 4000  # GPUs: larger fleets compare candidates on a sample first
+SAMPLE_ABOVE = 2000  # GPUs: larger fleets compare candidates on a sample first
 MODE_ORDER = (Mode.VGPU_MIXED, Mode.VGPU_EQUAL, Mode.MIG, Mode.PASSTHROUGH)
 
 
