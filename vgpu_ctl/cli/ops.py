@@ -33,7 +33,7 @@ from vgpu_ctl.cli.common import (
     remote,
     run,
 )
-from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.errors import InvalidInput, VgpuCtlError
 
 metrics_app = typer.Typer(help="Prometheus metrics of the fleet (admin).", no_args_is_help=True)
 db_app = typer.Typer(help="The state store: backup and restore (admin).", no_args_is_help=True)
@@ -129,7 +129,23 @@ def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
     for t in out["tenants"]:
         table.add_row(t["name"], _usage_text(t["usage"]))
     tables.append(table)
+    if out.get("idle") is not None:
+        tables.append(_idle_table(out["idle"]))
     return tables
+
+
+def _idle_table(idle: dict[str, Any]) -> Table:
+    """Allocated vGPUs below the idle threshold (status --idle), and the hosts that could not be sampled."""
+    missed = [f"{h}: {why}" for h, why in idle["hosts"].items() if why is not None and not why.startswith("simulated")]
+    caption = (f"below {idle['threshold']:.0%} utilization; idle after {idle['idle_for_s']:g}s"
+               + ("; not sampled: " + "; ".join(missed) if missed else ""))
+    table = Table("device", "tenant/vm", "host", "profile", "now", "below for", "idle", title="Idle vGPUs",
+                  box=box.SIMPLE_HEAD, caption=caption, caption_justify="left")
+    for v in idle["vgpus"]:
+        table.add_row(v["device"][:8], f"{v['tenant'] or '-'}/{v['vm'] or '-'}", v["host"], v["profile"] or "-",
+                      f"{v['utilization']:.0%}" if v["why"] == "utilization" else v["why"],
+                      f"{v['below_for_s']:g}s", "[yellow]idle[/]" if v["idle"] else "not yet")
+    return table
 
 
 def status(pool: str = typer.Option(None, help="Only this pool."),
@@ -142,6 +158,13 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
                                       "--gpus)."),
            watch: float = typer.Option(None, "--watch", "-w", min=0.5, max=3600,
                                        help="Redraw every SECONDS until Ctrl-C (JSON/YAML: one document each time)."),
+           idle: bool = typer.Option(False, "--idle", help="Also sample the GPU hosts (NVML, admin) and list "
+                                     "allocated vGPUs below --idle-threshold; idle once below it for --idle-for "
+                                     "(seen across rounds of --watch)."),
+           idle_threshold: float = typer.Option(0.05, "--idle-threshold", help="With --idle: utilization ratio "
+                                                "below which a vGPU is unused (0.05 = 5 %)."),
+           idle_for: float = typer.Option(1800.0, "--idle-for", help="With --idle: seconds below the threshold "
+                                          "before a vGPU counts as idle."),
            as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """The fleet in summary (GPUs by mode, hosts by state), how many more of each profile fit per pool, and
     tenants' usage; with --gpus, what occupies each GPU, a page at a time."""
@@ -153,13 +176,14 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
         if limit is not None:
             check_int("limit", limit, 1, MAX_PAGE)
         check_int("offset", offset, 0)
+        tracker = _idle_tracker(idle, idle_threshold, idle_for)
     page_size = (DEFAULT_PAGE if limit is None else limit) if rows else None
 
     def read(c: Any) -> dict[str, Any]:
         if remote():
             out: dict[str, Any] = c.status(pool, host, gpus=rows, limit=page_size, offset=offset)
             return out
-        return fleet_status(c, pool=pool, host=host, gpus=rows, limit=page_size, offset=offset)
+        return fleet_status(c, pool=pool, host=host, gpus=rows, limit=page_size, offset=offset, idle=tracker)
 
     if watch is None:
         out = run(fmt, read)
@@ -194,6 +218,20 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
         pass
     finally:
         ctl.close()
+
+
+def _idle_tracker(idle: bool, threshold: float, idle_for: float) -> Any:
+    """The idle tracker of `status --idle` (None without it); InvalidInput naming the option for a bad value, or
+    for --idle against a server (the hosts are sampled from this process)."""
+    from vgpu_ctl.service.utilization import IdleTracker, check_idle_for, check_idle_threshold
+    check_idle_threshold(threshold, "idle_threshold")
+    check_idle_for(idle_for, "idle_for")
+    if not idle:
+        return None
+    if remote():
+        raise InvalidInput("status --idle samples the GPU hosts from this process; run it where the store is, "
+                           "not against a server (field idle)", reasons=[{"field": "idle", "value": True}])
+    return IdleTracker(threshold, idle_for)
 
 
 def _event_row(e: dict[str, Any], fmt: Output) -> list[str]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -160,3 +160,15 @@ class UtilizationCollector:
     def describe(self) -> list[Metric]:
         """Nothing up front: sampling happens on scrapes only."""
         return []
+
+
+def idle_vgpus(ctl: Controller, tracker: IdleTracker, sampler: Sampler | None = None,
+               pool: str | None = None, host: str | None = None) -> dict[str, Any]:
+    """One round of samples through `tracker` (admin or reader): `{"threshold", "idle_for_s", "vgpus": [...],
+    "hosts": {host: null or why not sampled}}`, the vGPUs below the threshold now (each with `idle`: below it
+    for idle_for), of the pool or host asked. A tracker kept across calls (status --watch) sees idleness grow."""
+    usage = collect_usage(ctl, sampler, None if host is None else [host])
+    rows = [i for i in tracker.update(usage) if pool is None or i.pool == pool]
+    return {"threshold": tracker.threshold, "idle_for_s": tracker.idle_for_s,
+            "vgpus": [{**i.to_dict(), "below_for_s": round(max(0.0, usage.time - i.below_since), 3)} for i in rows],
+            "hosts": usage.hosts}

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
+from vgpu_ctl.core.placement_types import Policy
+from vgpu_ctl.core.policies.spread_load import make_with_load
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.utilization import HostSample, sample_side
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
@@ -329,3 +331,8 @@ class IdleTracker:
             out.append(IdleVgpu(device, v.host, v.gpu_pci, v.profile, v.vm, v.tenant, v.pool, b, since,
                                 now - since >= self.idle_for_s, why))
         return out
+
+
+def spread_load_policy(usage: FleetUsage) -> Policy:
+    """The spread-load placement policy weighing the loads measured in this round."""
+    return make_with_load(load_by_gpu(usage))
