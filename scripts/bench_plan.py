@@ -50,6 +50,7 @@ def case(name: str, load: Callable[[], tuple[Fleet, Demand]], policy: str) -> di
     catalog = load_catalog()
 
     def do_plan() -> tuple[Any, str]:
+        """What `vgpuctl plan --report` does."""
         fleet, demand = load()
         result = make_plan(catalog, fleet, demand, policy)
         return result, render(result.to_dict())
@@ -57,6 +58,7 @@ def case(name: str, load: Callable[[], tuple[Fleet, Demand]], policy: str) -> di
     (result, html), plan_s = timed(do_plan)
 
     def do_advise() -> Any:
+        """What `vgpuctl advise carving` does."""
         fleet, demand = load()
         return advise(catalog, hypothetical(catalog, fleet, demand), demand, policy)
 
@@ -87,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     tasks = args.trace_dir / f"openb_pod_list_{args.trace}.csv"
 
     def demo() -> tuple[Fleet, Demand]:
+        """The demo fleet and demand."""
         return (fleet_from_inventory(REPO / "inventory" / "demo.yaml", catalog),
                 load_demand(REPO / "inventory" / "demo-demand.yaml", catalog))
 
     def large(mode: str) -> Callable[[], tuple[Fleet, Demand]]:
+        """A loader of the trace fleet carved in `mode` and the trace demand at --arrived."""
         def load() -> tuple[Fleet, Demand]:
+            """The trace fleet and demand."""
             fleet = fleet_from_trace(nodes, catalog, mode, args.gpus)
             demand = load_demand(tasks, catalog)
             asked = sum(asked_gpus(catalog, demand.asks[i]) for i in demand.order)

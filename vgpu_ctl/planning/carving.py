@@ -272,6 +272,7 @@ def advise(catalog: Catalog, fleet: Fleet, demand: Demand, policy: str = "pack",
     every = math.ceil(fleet.gpu_count / SAMPLE_ABOVE)
 
     def score(c: Candidate) -> Score:
+        """Replay the demand on the candidate (on the sample for a large fleet) and score it."""
         if sampled:
             f, d = _sample(c.fleet, demand, every)
             o = run(catalog, f, d, policy)
@@ -339,6 +340,7 @@ def _per_gpu(catalog: Catalog, fleet: Fleet, chosen: Candidate, advised: Outcome
 def advice_dict(advice: Advice) -> dict[str, Any]:
     """The advice as plain data: winner, gain, each candidate's score, per GPU today / advised / action."""
     def side(o: Outcome) -> dict[str, Any]:
+        """One replay's placed and refused VMs."""
         return {"placed_vms": o.placed_vms, "refused_vms": o.refused_vms, "placed_pct": round(100 * o.placed_share, 2)}
 
     return {
