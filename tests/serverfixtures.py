@@ -123,13 +123,14 @@ def start_server(folder: Path, *serve_args: str) -> Iterator[RunningServer]:
     state = folder / "state"
     state.mkdir(exist_ok=True)
     db = f"sqlite:///{folder / 'store.db'}"
-    srv = RunningServer("", "", "", "", db, state, log=folder / "server.log")
+    log_path = folder / "server.log"
+    srv = RunningServer("", "", "", "", db, state, log=log_path)
     admin, acme, globex = _setup(db, srv.env())
     srv.admin_token, srv.tenant_token, srv.other_token = admin, acme, globex
     for _attempt in range(3):  # a port taken between free_port() and the bind: try another
         port = free_port()
         srv.url = f"http://127.0.0.1:{port}"
-        with open(srv.log, "ab") as log:
+        with open(log_path, "ab") as log:
             srv.process = subprocess.Popen(
                 [VGPUCTL, "--db", db, "serve", "--listen", f"127.0.0.1:{port}", "--reconcile-interval", "0",
                  "--log-level", "warning", *serve_args], env=srv.env(), stdout=log, stderr=subprocess.STDOUT)

@@ -39,7 +39,7 @@ def admin(shared_server: RunningServer) -> Iterator[Client]:
 
 def test_a_tenant_with_a_token_and_the_url_runs_its_vms(acme: Client) -> None:
     name = _name("life")
-    vm = acme.request_vm("acme", name, [("A100D-10C", 1)], **SMALL)
+    vm = acme.request_vm("acme", name, [("A100D-10C", 1)], vcpus=2, memory_mib=4096)
     assert isinstance(vm, VmInfo) and vm.state == "running" and vm.tenant == "acme" and vm.simulated
     assert [d.profile for d in vm.devices] == ["A100D-10C"]
     assert name in [v.name for v in acme.list_vms()]
@@ -61,7 +61,7 @@ def test_a_tenant_with_a_token_and_the_url_runs_its_vms(acme: Client) -> None:
 
 def test_a_dry_run_is_a_placement_and_claims_nothing(acme: Client) -> None:
     before = acme.list_vms()
-    placement = acme.request_vm("acme", _name("dry"), "H100-1-10C", dry_run=True, **SMALL)
+    placement = acme.request_vm("acme", _name("dry"), "H100-1-10C", dry_run=True, vcpus=2, memory_mib=4096)
     assert isinstance(placement, Placement) and placement.pool == "inference"
     assert placement.devices[0].profile == "H100-1-10C" and placement.host == "kvm-h100-01"
     assert acme.list_vms() == before
@@ -69,7 +69,7 @@ def test_a_dry_run_is_a_placement_and_claims_nothing(acme: Client) -> None:
 
 def test_results_are_the_controllers_own(shared_server: RunningServer, acme: Client) -> None:
     name = _name("same")
-    made = acme.request_vm("acme", name, "L40S-12C", pool="workstations", **SMALL)
+    made = acme.request_vm("acme", name, "L40S-12C", pool="workstations", vcpus=2, memory_mib=4096)
     with Controller(shared_server.db, token=shared_server.tenant_token) as local:
         assert acme.get_vm(name) == local.get_vm(name) == made
         assert acme.list_vms() == local.list_vms()
@@ -81,7 +81,7 @@ def test_results_are_the_controllers_own(shared_server: RunningServer, acme: Cli
 
 def test_errors_are_the_controllers_own(shared_server: RunningServer, acme: Client, admin: Client) -> None:
     with pytest.raises(InvalidInput) as bad:
-        acme.request_vm("acme", _name("bad"), "A100D-11C", **SMALL)
+        acme.request_vm("acme", _name("bad"), "A100D-11C", vcpus=2, memory_mib=4096)
     assert bad.value.exit_code == 2 and "unknown profile 'A100D-11C'" in bad.value.message
     assert bad.value.reasons == [{"field": "profile", "value": "A100D-11C"}]
 
@@ -90,9 +90,9 @@ def test_errors_are_the_controllers_own(shared_server: RunningServer, acme: Clie
     token = admin.issue_token(tenant)
     admin.set_quota(tenant, {"vgpus": 1})
     with Client(shared_server.url, token) as mine:
-        first = mine.request_vm(tenant, "one", "A100D-10C", **SMALL)
+        first = mine.request_vm(tenant, "one", "A100D-10C", vcpus=2, memory_mib=4096)
         with pytest.raises(QuotaExceeded) as over:
-            mine.request_vm(tenant, "two", "A100D-10C", **SMALL)
+            mine.request_vm(tenant, "two", "A100D-10C", vcpus=2, memory_mib=4096)
         assert over.value.exit_code == 3
         assert [(r["kind"], r["resource"], r["limit"]) for r in over.value.reasons] == [("quota", "vgpus", 1)]
         assert [v.name for v in mine.list_vms()] == ["one"]
@@ -161,14 +161,14 @@ def test_a_retry_after_a_lost_answer_reuses_the_key_and_makes_one_vm(shared_serv
     flaky = _Flaky("/v1/vms", lose=1, busy=1)
     name = _name("retry")
     with Client(shared_server.url, shared_server.tenant_token, backoff=0.01, transport=flaky) as c:
-        vm = c.request_vm("acme", name, "A100D-10C", **SMALL)
+        vm = c.request_vm("acme", name, "A100D-10C", vcpus=2, memory_mib=4096)
         assert len(flaky.keys) == 3 and len(set(flaky.keys)) == 1  # 503, lost answer, replayed answer
         assert flaky.replayed == [None, "true"]
         assert [v.id for v in c.list_vms() if v.name == name] == [vm.id]
         c.release_vm(vm.id)
         other = _Flaky("/v1/vms")
         with Client(shared_server.url, shared_server.tenant_token, transport=other) as d:
-            d.request_vm("acme", _name("again"), "A100D-10C", dry_run=False, **SMALL)
+            d.request_vm("acme", _name("again"), "A100D-10C", dry_run=False, vcpus=2, memory_mib=4096)
             d.release_vm(d.list_vms()[-1].id)
         assert other.keys[0] != flaky.keys[0]  # a new logical call, a new key
 
@@ -218,6 +218,9 @@ def test_bad_input_names_the_field_and_changes_nothing(shared_server: RunningSer
     with pytest.raises(InvalidInput) as bad:
         admin.create_tenant("Not A Name")
     assert bad.value.reasons and bad.value.reasons[0].get("field") == "tenant"
+    with pytest.raises(InvalidInput) as sched:
+        admin.request_vm("acme", "q", "A100D-10C", vcpus=2, memory_mib=4096, queue=True)
+    assert sched.value.reasons == [{"field": "queue", "value": True}]
     with pytest.raises(InvalidInput) as quota:
         admin.set_quota("acme", {"profile:NOPE": 1})
     assert quota.value.reasons == [{"field": "profile", "value": "NOPE"}]

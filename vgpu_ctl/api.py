@@ -81,7 +81,8 @@ class VgpuApi(Protocol):
     def revoke_api_token(self, name: str) -> None:
         """Revoke an API token."""
 
-    # VMs
+    # VMs: a VM (placed, provisioned, running), or with dry_run=True where it would go. (No overload for a
+    # dry_run only known at run time: the Controller's own for that also covers its queued requests.)
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
@@ -94,11 +95,6 @@ class VgpuApi(Protocol):
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[True]) -> Placement: ...
 
-    @overload
-    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
-                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
-                   anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: bool = False) -> VmInfo | Placement: ...
 
     def get_vm(self, ref: str) -> VmInfo:
         """One VM by id, name, or TENANT/NAME."""

@@ -316,30 +316,42 @@ class Client:
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[False] = False) -> VmInfo:
+                   template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: bool = False) -> VmInfo:
         ...
 
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[True]) -> Placement:
+                   template: str | None = None, dry_run: Literal[True], priority: str | None = None,
+                   preempt: bool | None = None, queue: bool = False) -> Placement:
         ...
 
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: bool = False) -> VmInfo | Placement:
+                   template: str | None = None, dry_run: bool = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: bool = False) -> VmInfo | Placement:
         ...
 
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: bool = False) -> VmInfo | Placement:
+                   template: str | None = None, dry_run: bool = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: bool = False) -> VmInfo | Placement:
         """Request a VM and wait until it runs (its VmInfo) or is refused (QuotaExceeded, NoCapacity, ...,
         with the reasons); with dry_run, where it would go (a Placement), nothing claimed. `idempotency_key`
-        is the VM's own (the same key twice gives the same VM), apart from the HTTP Idempotency-Key."""
+        is the VM's own (the same key twice gives the same VM), apart from the HTTP Idempotency-Key. The
+        scheduling options (`priority`, `preempt`, `queue`) are not served by the REST API: InvalidInput naming
+        the one given, nothing sent."""
+        for option, value, default in (("priority", priority, None), ("preempt", preempt, None),
+                                       ("queue", queue, False)):
+            if value != default:
+                raise InvalidInput(f"{option} {value!r}: the server's API takes no scheduling options yet; request "
+                                   "without it, or on the store's machine without --server",
+                                   reasons=[{"field": option, "value": value}])
         if isinstance(vgpus, str):
             vgpus = [VgpuRequest(vgpus, 1)]
         wants = [v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus]
