@@ -29,7 +29,7 @@ def test_resolve_named_tenant_default_global_default() -> None:
 
 
 def test_resolve_refuses_unknown_and_disallowed() -> None:
-    with pytest.raises(InvalidInput, match="unknown priority class 'urgent'.*field priority"):
+    with pytest.raises(InvalidInput, match=r"unknown priority class 'urgent'.*field priority"):
         resolve_class("urgent", CLASSES, None, None)
     with pytest.raises(InvalidInput, match="may not use priority class 'high'") as err:
         resolve_class("high", CLASSES, ["low"], None, "acme")

@@ -812,10 +812,11 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
         with ctl.engine.connect() as conn:
             cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
         if preempt and cls.preemption_policy is PreemptionPolicy.NEVER:
-            raise InvalidInput(f"priority class {cls.name!r} has preemption policy 'never': its requests wait, "
-                               "they do not preempt (field preempt)",
-                               reasons=[{"field": "preempt", "value": True, "priority_class": cls.name}])
-        if wants_preemption(cls, preempt):
+            exc = NoCapacity(f"{exc.message}; priority class {cls.name!r} has preemption policy 'never': its "
+                             "requests wait, they do not preempt",
+                             reasons=[*exc.reasons, {"kind": "preemption", "priority_class": cls.name,
+                                                     "preemption_policy": "never"}])
+        elif wants_preemption(cls, preempt):
             try:
                 preempt_for(ctl, req, cls)
                 return ctl._claim(req, False)
