@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -244,3 +245,22 @@ def test_store_at_head_opens_without_running_alembic(store: Store, monkeypatch: 
     ctl.close()
     ctl = store.as_tenant("acme")  # a tenant's open checks the revision the same way
     ctl.close()
+
+
+# -- the same on both stores (SQLite and PostgreSQL) ----------------------------------------------------------------
+
+def test_summary_pages_and_doctor_on_each_store(ctl: Any) -> None:
+    from vgpu_ctl.ops.doctor import diagnose
+    from vgpu_ctl.ops.status import fleet_status
+    ctl.create_tenant("acme")
+    ctl.request_vm("acme", "a1", [("A100D-10C", 1)], vcpus=2, memory_mib=2048, pool="inference")
+    out = fleet_status(ctl, gpus=False)
+    assert "gpus" not in out and out["summary"]["gpus"] == 9 and out["summary"]["devices"] == 1
+    assert out["summary"]["in_use"] == 1 and out["summary"]["hosts_by_state"] == {"active": 3}
+    every = fleet_status(ctl)["gpus"]
+    pages = [g for off in (0, 5) for g in fleet_status(ctl, limit=5, offset=off)["gpus"]]
+    assert pages == every and len(every) == 9
+    fits = {p["name"]: p["fits"] for p in out["pools"]}
+    assert fits["inference"]["A100D-10C"] == 7
+    assert all(r.ok for r in diagnose(ctl)), [r.to_dict() for r in diagnose(ctl) if not r.ok]
+    assert ctl.apply_inventory(DEMO) == []
