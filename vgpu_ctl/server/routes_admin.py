@@ -3,11 +3,11 @@ reconcile)."""
 
 from __future__ import annotations
 
+import pathlib
 import tempfile
-from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
 
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.ops.events import list_events
@@ -16,6 +16,7 @@ from vgpu_ctl.ops.status import fleet_status
 from .deps import controller, etag, if_match, principal_of, writer
 from .problems import problem_responses
 from .schemas import (
+    NAME_PATTERN,
     ApiTokenIssued,
     HostState,
     QuotaSet,
@@ -31,6 +32,9 @@ from .schemas import (
 router = APIRouter(prefix="/v1", tags=["admin"], responses=problem_responses(400, 401, 403, 404),
                    dependencies=[Depends(principal_of)])
 _WRITE = problem_responses(409, 412, 422)
+TENANT = Path(description="The tenant", json_schema_extra={"pattern": NAME_PATTERN, "examples": ["acme"]})
+HOST = Path(description="The host", json_schema_extra={"pattern": NAME_PATTERN, "examples": ["kvm-l40s-01"]})
+TOKEN = Path(description="The API token's name", json_schema_extra={"pattern": NAME_PATTERN})
 _ETAG: dict[int | str, dict[str, Any]] = {
     200: {"headers": {"ETag": {"description": "The tenant's generation", "schema": {"type": "string"}}}}}
 
@@ -62,7 +66,7 @@ def apply_inventory(request: Request, body: str = Body(..., media_type="applicat
     ctl = writer(request)
     ctl.principal.require_admin("inventory apply")
     with tempfile.TemporaryDirectory(prefix="vgpu-inv-") as d:
-        path = Path(d) / "inventory.yaml"
+        path = pathlib.Path(d) / "inventory.yaml"
         path.write_text(body)
         return ctl.apply_inventory(path, dry_run=dry_run, prune=prune)
 
@@ -75,7 +79,7 @@ def hosts(request: Request) -> list[dict[str, Any]]:
 
 
 @router.put("/hosts/{name}/state", summary="Cordon, drain or mark a host down", responses=_WRITE)
-def host_state(request: Request, name: str, body: HostState) -> dict[str, Any]:
+def host_state(request: Request, body: HostState, name: str = HOST) -> dict[str, Any]:
     """Set the host's scheduling state; the state before and after, and the VMs still on it."""
     return writer(request).set_host_state(name, body.state)
 
@@ -99,7 +103,7 @@ def create_tenant(request: Request, body: TenantCreate, response: Response) -> d
 
 
 @router.get("/tenants/{name}", summary="One tenant", response_model=TenantInfo, responses=_ETAG)
-def get_tenant(request: Request, name: str, response: Response) -> dict[str, Any]:
+def get_tenant(request: Request, response: Response, name: str = TENANT) -> dict[str, Any]:
     """A tenant with its quota and usage, and its ETag."""
     out = controller(request).get_tenant(name)
     response.headers["ETag"] = etag(out["generation"])
@@ -107,7 +111,7 @@ def get_tenant(request: Request, name: str, response: Response) -> dict[str, Any
 
 
 @router.delete("/tenants/{name}", status_code=204, summary="Delete a tenant", responses=_WRITE)
-def delete_tenant(request: Request, name: str) -> Response:
+def delete_tenant(request: Request, name: str = TENANT) -> Response:
     """Remove a tenant that has no VMs; `If-Match` guards against a stale read."""
     writer(request).delete_tenant(name, if_generation=if_match(request))
     return Response(status_code=204)
@@ -115,20 +119,20 @@ def delete_tenant(request: Request, name: str) -> Response:
 
 @router.post("/tenants/{name}/token", summary="Issue a tenant's token", response_model=TenantToken,
              responses=_WRITE)
-def issue_token(request: Request, name: str) -> dict[str, str]:
+def issue_token(request: Request, name: str = TENANT) -> dict[str, str]:
     """A new token for the tenant (the previous one stops working)."""
     return {"tenant": name, "token": writer(request).issue_token(name)}
 
 
 @router.delete("/tenants/{name}/token", status_code=204, summary="Revoke a tenant's token", responses=_WRITE)
-def revoke_token(request: Request, name: str) -> Response:
+def revoke_token(request: Request, name: str = TENANT) -> Response:
     """Revoke the tenant's token."""
     writer(request).revoke_token(name)
     return Response(status_code=204)
 
 
 @router.get("/tenants/{name}/quota", summary="A tenant's limits and usage", responses=_ETAG)
-def get_quota(request: Request, name: str, response: Response) -> list[dict[str, Any]]:
+def get_quota(request: Request, response: Response, name: str = TENANT) -> list[dict[str, Any]]:
     """Each limit of the tenant with its usage; the ETag is the tenant's."""
     out = controller(request).get_tenant(name)
     response.headers["ETag"] = etag(out["generation"])
@@ -137,7 +141,7 @@ def get_quota(request: Request, name: str, response: Response) -> list[dict[str,
 
 
 @router.put("/tenants/{name}/quota", summary="Set a tenant's limits", responses={**_ETAG, **_WRITE})
-def set_quota(request: Request, name: str, body: QuotaSet, response: Response) -> dict[str, Any]:
+def set_quota(request: Request, body: QuotaSet, response: Response, name: str = TENANT) -> dict[str, Any]:
     """Set or clear limits; `If-Match` (the tenant's ETag) guards against a stale read."""
     ctl = writer(request)
     changes = ctl.set_quota(name, body.limits, pool=body.pool, if_generation=if_match(request))
@@ -159,7 +163,7 @@ def create_token(request: Request, body: TokenCreate) -> dict[str, str]:
 
 
 @router.delete("/tokens/{name}", status_code=204, summary="Revoke an API token", responses=_WRITE)
-def revoke_api_token(request: Request, name: str) -> Response:
+def revoke_api_token(request: Request, name: str = TOKEN) -> Response:
     """Revoke an API token."""
     writer(request).revoke_api_token(name)
     return Response(status_code=204)

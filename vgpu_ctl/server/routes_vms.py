@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError, error_from_dict
@@ -22,6 +22,8 @@ WAIT_DOC = "Wait up to this long for the end (30s, 500ms, 2m; at most 300 s)"
 _LONG = problem_responses(409, 412, 422, 502, 503)
 _WRITE = problem_responses(409, 412, 422)
 _ETAG = {"ETag": {"description": "The VM's generation", "schema": {"type": "string"}}}
+REF = Path(description="A VM: its id, a unique prefix of it (4+ characters), or its name",
+           json_schema_extra={"examples": ["job1"]})
 _LOCATION = {"Location": {"description": "The operation: /v1/operations/ID", "schema": {"type": "string"}}}
 
 
@@ -104,7 +106,7 @@ def list_vms(request: Request, tenant: str | None = None, state: str | None = No
 
 
 @router.get("/vms/{ref}", summary="One VM", response_model=VmInfo, responses={200: {"headers": _ETAG}})
-def get_vm(request: Request, ref: str, response: Response) -> VmInfo:
+def get_vm(request: Request, response: Response, ref: str = REF) -> VmInfo:
     """A VM by id (or unique prefix) or name, with its ETag."""
     vm = controller(request).get_vm(ref)
     response.headers["ETag"] = etag(vm.generation)
@@ -113,14 +115,14 @@ def get_vm(request: Request, ref: str, response: Response) -> VmInfo:
 
 @router.get("/vms/{ref}/xml", response_class=PlainTextResponse, summary="A VM's domain XML",
             responses=problem_responses(502))
-def vm_xml(request: Request, ref: str) -> str:
+def vm_xml(request: Request, ref: str = REF) -> str:
     """The VM's rendered, validated libvirt domain XML."""
     return controller(request).vm_xml(ref)
 
 
 @router.post("/vms/{ref}/stop", summary="Stop a running VM", response_model=VmInfo,
              responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
-def stop_vm(request: Request, ref: str, response: Response, body: StopVm | None = None) -> VmInfo:
+def stop_vm(request: Request, response: Response, ref: str = REF, body: StopVm | None = None) -> VmInfo:
     """Shut the VM down (its vGPUs stay claimed); `If-Match` guards against a stale read."""
     vm = writer(request).stop_vm(ref, force=bool(body and body.force), if_generation=if_match(request))
     response.headers["ETag"] = etag(vm.generation)
@@ -129,7 +131,7 @@ def stop_vm(request: Request, ref: str, response: Response, body: StopVm | None 
 
 @router.post("/vms/{ref}/start", summary="Start a stopped VM", response_model=VmInfo,
              responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
-def start_vm(request: Request, ref: str, response: Response) -> VmInfo:
+def start_vm(request: Request, response: Response, ref: str = REF) -> VmInfo:
     """Start the VM; `If-Match` guards against a stale read."""
     vm = writer(request).start_vm(ref, if_generation=if_match(request))
     response.headers["ETag"] = etag(vm.generation)
@@ -141,7 +143,7 @@ def start_vm(request: Request, ref: str, response: Response) -> VmInfo:
                    202: {"description": "Accepted: the operation, pending", "headers": _LOCATION},
                    200: {"model": OperationInfo, "description": "Deleted (with ?wait, once done within it)"},
                    **_LONG})
-def delete_vm(request: Request, ref: str, wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
+def delete_vm(request: Request, ref: str = REF, wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept the VM's deletion as an operation (202, `Location`); with `?wait=`, 200 once done."""
     seconds = wait_seconds(wait)
     _accepting(request)

@@ -7,62 +7,90 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from vgpu_ctl.inventory import MAX_LIMIT, MAX_MEMORY_MIB, MAX_VM_VCPUS, NAME_RE
+from vgpu_ctl.service.hosts import HOST_STATES
+from vgpu_ctl.service.principals import ROLES
 from vgpu_ctl.service.requests import VmInfo
+
+# What the service accepts, declared in the schema for clients and generated tests; the service checks it
+# (so that its messages are the CLI's), hence `json_schema_extra` rather than constraints pydantic enforces.
+NAME_PATTERN = f"^{NAME_RE.pattern}$"
+
+
+def name_field(what: str, *examples: str, default: Any = ...) -> Any:
+    """A field holding a safe name (lower-case letters, digits, `_ . -`, at most 63)."""
+    return Field(default, description=f"{what}: a safe name (lower-case letters, digits, '_', '.', '-', "
+                 "at most 63, starting with a letter or digit)",
+                 json_schema_extra={"pattern": NAME_PATTERN, "examples": list(examples)})
+
+
+def whole(what: str, low: int, high: int, example: int, default: Any = ...) -> Any:
+    """A field holding a whole number from `low` to `high` (booleans refused)."""
+    return Field(default, description=f"{what}: a whole number from {low} to {high}",
+                 json_schema_extra={"minimum": low, "maximum": high, "examples": [example]})
 
 
 class VgpuSpec(BaseModel):
     """`count` vGPUs of `profile`."""
 
     model_config = ConfigDict(extra="forbid")
-    profile: str
-    count: StrictInt = 1
+    profile: str = Field(description="A profile of the catalog (GET /v1/profiles)",
+                         json_schema_extra={"examples": ["1g.10gb", "A100D-10C", "L40S-12C"]})
+    count: StrictInt = whole("vGPUs of the profile", 1, 16, 1, default=1)
 
 
 class VmCreate(BaseModel):
     """A VM request; `tenant` defaults to the caller's tenant."""
 
-    model_config = ConfigDict(extra="forbid")
-    tenant: str | None = None
-    name: str
-    vgpus: list[VgpuSpec] = Field(min_length=1)
-    vcpus: StrictInt
-    memory_mib: StrictInt
-    pool: str | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    anti_affinity: str | None = None
-    idempotency_key: str | None = None
-    template: str | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"tenant": "acme", "name": "job1", "vgpus": [{"profile": "1g.10gb", "count": 1}], "vcpus": 2,
+         "memory_mib": 4096}]})
+    tenant: str | None = name_field("The tenant (default: the caller's)", "acme", default=None)
+    name: str = name_field("The VM's name, unique per tenant", "job1")
+    vgpus: list[VgpuSpec] = Field(min_length=1, json_schema_extra={"maxItems": 16})
+    vcpus: StrictInt = whole("vCPUs", 1, MAX_VM_VCPUS, 2)
+    memory_mib: StrictInt = whole("Memory in MiB", 1, MAX_MEMORY_MIB, 4096)
+    pool: str | None = name_field("Place only in this pool", "inference", default=None)
+    labels: dict[str, str] = Field(default_factory=dict, description="Host labels required")
+    anti_affinity: str | None = name_field("No two VMs of this group on one host", "web", default=None)
+    idempotency_key: str | None = Field(None, description="The same key gives the same VM (1-128 characters)",
+                                        json_schema_extra={"minLength": 1, "maxLength": 128})
+    template: str | None = Field(None, description="A domain template of the template folder, by name")
 
 
 class TenantCreate(BaseModel):
     """A new tenant."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
+    name: str = name_field("The tenant", "initech")
 
 
 class QuotaSet(BaseModel):
     """Limits to set (a number) or clear (null), globally or within `pool`. Keys: vms, vgpus,
     framebuffer_mib, vcpus, memory_mib, profile:NAME."""
 
-    model_config = ConfigDict(extra="forbid")
-    limits: dict[str, StrictInt | None]
-    pool: str | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"limits": {"vgpus": 8, "framebuffer_mib": 163840, "profile:A100D-10C": 4}}]})
+    limits: dict[str, StrictInt | None] = Field(json_schema_extra={
+        "propertyNames": {"pattern": "^(vms|vgpus|framebuffer_mib|vcpus|memory_mib|profile:.+)$"},
+        "additionalProperties": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LIMIT},
+                                           {"type": "null"}]}})
+    pool: str | None = name_field("Limits within this pool only", "inference", default=None)
 
 
 class TokenCreate(BaseModel):
     """A new API token."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str
-    role: str
+    name: str = name_field("The token's name (the audit trail shows token:NAME)", "dashboard")
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
 
 
 class HostState(BaseModel):
     """A host's scheduling state: active, draining or down."""
 
     model_config = ConfigDict(extra="forbid")
-    state: str
+    state: str = Field(json_schema_extra={"enum": list(HOST_STATES)})
 
 
 class ReconcileRun(BaseModel):
