@@ -17,7 +17,7 @@ python3 -c 'import sysconfig,os,sys; sys.exit(0 if os.path.exists(os.path.join(s
 if [ "$dev" = 1 ]; then
   dpkg -s postgresql >/dev/null 2>&1 || command -v pg_ctlcluster >/dev/null || need+=(postgresql)
   # real libvirtd + KVM for the host tests (guests need /dev/kvm); dnsmasq-base runs the default network
-  for p in libvirt-daemon-system libvirt-daemon-driver-qemu qemu-system-x86 qemu-utils libvirt-clients dnsmasq-base chromium; do
+  for p in libvirt-daemon-system libvirt-daemon-driver-qemu qemu-system-x86 qemu-utils libvirt-clients dnsmasq-base chromium prometheus; do
     dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
   done
 fi
