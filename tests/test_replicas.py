@@ -482,3 +482,26 @@ def _healthy(rep: Replica) -> bool:
 def _quote(arg: str) -> str:
     import shlex
     return shlex.quote(arg)
+
+
+def test_a_second_sigterm_stops_waiting(sqlite_store: Store, tmp_path: Path) -> None:
+    store = sqlite_store
+    gate = tmp_path / "gate-start"
+    rep = store.start("--reconcile-interval", "0", env=store.env(VGPU_CTL_SIM_HOLD=f"start_domain={gate}"))
+    _wait_leader(store, [rep])
+    gate.touch()
+    r = httpx.post(f"{rep.url}/v1/vms", json={**VM_BODY, "name": "cut"}, headers=store.auth(), timeout=30)
+    op_id = r.json()["id"]
+    _until("the worker at start_domain", Path(f"{gate}.waiting").exists, 60)
+    rep.process.send_signal(signal.SIGTERM)
+    _until("draining", lambda: "draining" in rep.log_text(), 10, 0.05)
+    time.sleep(0.3)
+    assert rep.process.poll() is None  # the first one waits (60 s by default)
+    rep.process.send_signal(signal.SIGTERM)
+    assert rep.process.wait(10) == 1, rep.log_text()
+    assert "second signal" in rep.log_text()
+    gate.unlink()
+    nxt = store.start("--reconcile-interval", "0")  # what was cut short is finished by the next server
+    done = httpx.get(f"{nxt.url}/v1/operations/{op_id}?wait=60s", headers=store.auth(), timeout=90).json()
+    assert done["state"] == "succeeded", done
+    _no_leak(store, ["cut"])
