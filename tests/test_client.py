@@ -9,13 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
-from serverfixtures import DEMO, RunningServer, free_port, shared_server
+from serverfixtures import DEMO, RunningServer, free_port, server, shared_server
 
 from vgpu_ctl import Client, Controller, InvalidInput, NotFound, PermissionDenied, QuotaExceeded, VgpuCtlError
 from vgpu_ctl.api import VgpuApi
 from vgpu_ctl.service.requests import OperationInfo, Placement, ReconcileReport, VmInfo
 
-__all__ = ["shared_server"]  # the fixture, used by name
+__all__ = ["server", "shared_server"]  # the fixtures, used by name
 SMALL = {"vcpus": 2, "memory_mib": 4096}
 
 
@@ -240,3 +240,43 @@ def test_one_protocol_for_both(shared_server: RunningServer, acme: Client) -> No
     with Controller(shared_server.db, token=shared_server.tenant_token) as api:
         local = _names(api)
     assert _names(acme) == local
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    from serverfixtures import REPO
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Remote CLI and Python client\n", 1)[1].split("\n### ", 1)[0]
+    return [b.split("\n", 1)[1] for b in section.split("```")[1::2] if b.startswith(lang)]
+
+
+def test_the_readme_examples_run(server: RunningServer) -> None:
+    import os
+    import subprocess
+    import sys
+    from contextlib import redirect_stdout
+    from io import StringIO
+    assert server.cli("quota", "set", "acme", "--vgpus", "2").returncode == 0
+    env = {**server.env(), "VGPU_CTL_SERVER": server.url, "VGPU_CTL_TOKEN": server.tenant_token,
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+    [shell] = _readme_blocks("sh")
+    for line in shell.splitlines():
+        if line.startswith("vgpuctl "):
+            p = subprocess.run(line, shell=True, env=env, capture_output=True, text=True, timeout=120, check=False)
+            assert p.returncode == 0, (line, p.stdout, p.stderr)
+    [python] = _readme_blocks("python")
+    expected = [line.split("  # ", 1)[1].strip() for line in python.splitlines() if "  # " in line]
+    out = StringIO()
+    old = {k: os.environ.get(k) for k in ("VGPU_CTL_SERVER", "VGPU_CTL_TOKEN")}
+    os.environ.update(VGPU_CTL_SERVER=server.url, VGPU_CTL_TOKEN=server.tenant_token)
+    try:
+        with redirect_stdout(out):
+            exec(compile(python, "README.md", "exec"), {})
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert out.getvalue().splitlines() == expected
+    with Client(server.url, server.tenant_token) as c:
+        assert c.list_vms() == []
