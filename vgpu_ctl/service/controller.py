@@ -35,6 +35,7 @@ from vgpu_ctl.errors import (
     InvalidInput,
     NoCapacity,
     NotFound,
+    PermissionDenied,
     QuotaExceeded,
     Refused,
     did_you_mean,
@@ -179,6 +180,12 @@ class Controller:
 
     def _admin(self, what: str) -> None:
         self.principal.require_admin(what)
+
+    def _writer(self, what: str) -> None:
+        """PermissionDenied for a reader token, which may read everything and change nothing."""
+        if self.principal.role == "reader":
+            raise PermissionDenied(f"{what} changes the store; a reader token ({self.principal.actor}) may only "
+                                   "read", reasons=[{"field": "role", "value": "reader"}])
 
     def _tenant_row(self, conn: Connection, name: str) -> Any:
         rows = _TENANT_BY_NAME.rows(conn, {"name": name})
@@ -505,6 +512,8 @@ class Controller:
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
                         idempotency_key, template, lease_holder=new_holder() if provision and not dry_run else None,
                         priority=priority)
+        if not dry_run:
+            self._writer("vm create")
         req.validate()
         if template is not None:  # before the claim: a bad name changes nothing
             self.hosts.renderer.check_template(template)
@@ -842,6 +851,7 @@ class Controller:
         """Delete a VM: its domain, then its devices, then its claim and quota charge (PreconditionFailed,
         nothing changed, when `if_generation` is given and the VM has changed since)."""
         from vgpu_ctl.service.provision import release_vm
+        self._writer("vm delete")
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
         release_vm(self, vm.id, generation=if_generation)
@@ -851,6 +861,7 @@ class Controller:
     def stop_vm(self, ref: str, force: bool = False, if_generation: int | None = None) -> VmInfo:
         """Shut down a running VM (its devices stay claimed); PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
+        self._writer("vm stop")
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
         set_power(self, vm.id, on=False, force=force, generation=if_generation)
@@ -859,6 +870,7 @@ class Controller:
     def start_vm(self, ref: str, if_generation: int | None = None) -> VmInfo:
         """Start a stopped VM; PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
+        self._writer("vm start")
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, ref)
         set_power(self, vm.id, on=True, generation=if_generation)
@@ -880,6 +892,7 @@ class Controller:
                          lease_seconds: float) -> ops.OperationInfo:
         """Accept a VM request as an operation that `holder` (a worker pool) runs next; InvalidInput,
         NotFound or PermissionDenied at once, nothing recorded, for a request that could never be served."""
+        self._writer("vm create")
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
                         idempotency_key, template)
@@ -902,6 +915,7 @@ class Controller:
                          lease_seconds: float) -> ops.OperationInfo:
         """Accept a VM's deletion as an operation that `holder` runs next; NotFound at once for a VM the
         caller cannot see, PreconditionFailed when `if_generation` is given and the VM has changed since."""
+        self._writer("vm delete")
         with self.tx() as conn:
             vm = self._vm_row(conn, ref)
             check_generation(vm, if_generation, "VM", ref)
