@@ -20,9 +20,11 @@ from vgpu_ctl.cli.common import (
     out_format,
     print_table,
 )
-from vgpu_ctl.core.geometry import Mode
-from vgpu_ctl.core.placement import POLICIES
 from vgpu_ctl.errors import InvalidInput
+
+# The core (and with it the catalog and pydantic) is imported inside the commands: every other command's start-up
+# would pay for it otherwise.
+FLEET_MODES = ("vgpu-equal", "vgpu-mixed", "mig")
 
 advise_app = typer.Typer(help="Advice computed from a demand: how to carve the GPUs (admin).", no_args_is_help=True)
 
@@ -31,7 +33,8 @@ DEMAND_OPT = typer.Option(..., "--demand", help="A YAML demand (request shapes w
 FLEET_OPT = typer.Option(None, "--fleet", help="An inventory YAML file, or a trace node list CSV "
                          "(openb_node_list_gpu_node.csv).")
 STORE_OPT = typer.Option(False, "--from-store", help="Plan on the store's fleet as it is now (read only).")
-POLICY_OPT = typer.Option("pack", "--policy", help=f"Placement policy: {', '.join(sorted(POLICIES))}.")
+POLICY_OPT = typer.Option("pack", "--policy", help="Placement policy of the replay (a pool policy; an unknown name "
+                          "is refused with the list of known ones).")
 SCALE_OPT = typer.Option(1.0, "--scale", help="Multiply the demand's VMs by this (a seeded draw for the fraction).")
 GPUS_OPT = typer.Option(None, "--gpus", help="With a trace node list: repeat its nodes until the fleet has this "
                         "many GPUs.")
@@ -46,7 +49,7 @@ def _fleet(catalog: Any, fleet: Path | None, from_store: bool, gpus: int | None,
     if (fleet is None) == (not from_store):
         raise InvalidInput("give exactly one of --fleet FILE and --from-store (field fleet)",
                            reasons=[{"field": "fleet"}])
-    if fleet_mode not in (Mode.VGPU_EQUAL, Mode.VGPU_MIXED, Mode.MIG):
+    if fleet_mode not in FLEET_MODES:
         raise InvalidInput(f"field fleet-mode: {fleet_mode!r} is not vgpu-equal, vgpu-mixed or mig",
                            reasons=[{"field": "fleet-mode", "value": fleet_mode}])
     if gpus is not None and not 1 <= gpus <= 10_000_000:
@@ -69,6 +72,7 @@ def _fleet(catalog: Any, fleet: Path | None, from_store: bool, gpus: int | None,
 def _inputs(demand: Path, fleet: Path | None, from_store: bool, policy: str, scale: float, gpus: int | None,
             fleet_mode: str) -> tuple[Any, Any, Any]:
     from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.core.placement import POLICIES
     from vgpu_ctl.planning.demand import load_demand, scaled
 
     if policy not in POLICIES:
