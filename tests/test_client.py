@@ -173,6 +173,46 @@ def test_a_retry_after_a_lost_answer_reuses_the_key_and_makes_one_vm(shared_serv
         assert other.keys[0] != flaky.keys[0]  # a new logical call, a new key
 
 
+class _Unsent(httpx.HTTPTransport):
+    """The first `fail` DELETEs: `connect` never reach the server (a connection refused); `lost` reach it and
+    their answers are lost."""
+
+    def __init__(self, mode: str, fail: int = 1) -> None:
+        super().__init__()
+        self.mode, self.fail, self.deletes = mode, fail, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            self.deletes += 1
+            if self.fail:
+                self.fail -= 1
+                if self.mode == "connect":
+                    raise httpx.ConnectError("connection refused", request=request)
+                super().handle_request(request).close()
+                raise httpx.ReadError("connection lost before the answer", request=request)
+        return super().handle_request(request)
+
+
+def test_a_delete_is_sent_again_only_when_it_never_reached_the_server(shared_server: RunningServer) -> None:
+    unsent = _Unsent("connect")
+    with Client(shared_server.url, shared_server.tenant_token, backoff=0.01, transport=unsent) as c:
+        vm = c.request_vm("acme", _name("del"), "A100D-10C", vcpus=2, memory_mib=4096)
+        c.release_vm(vm.id)
+        assert unsent.deletes == 2
+        with pytest.raises(NotFound):
+            c.get_vm(vm.id)
+    lost = _Unsent("lost")
+    with Client(shared_server.url, shared_server.tenant_token, backoff=0.01, transport=lost) as c:
+        vm = c.request_vm("acme", _name("del"), "A100D-10C", vcpus=2, memory_mib=4096)
+        with pytest.raises(VgpuCtlError) as err:
+            c.release_vm(vm.id)
+        assert err.value.code == "unreachable" and "may have been done" in err.value.message
+        assert lost.deletes == 1
+        c.wait_operation(c.list_operations(limit=1)[0])
+        with pytest.raises(NotFound):  # it was done, once
+            c.get_vm(vm.id)
+
+
 def test_the_same_key_twice_gives_one_vm(acme: Client) -> None:
     key, name = str(uuid.uuid4()), _name("key")
     body = {"name": name, "vgpus": [{"profile": "A100D-10C", "count": 1}], **SMALL}

@@ -158,7 +158,8 @@ class Client:
                 timeout: float | None = None) -> httpx.Response:
         """One logical call: sent, and sent again on a connection error, a 502 or a 503 (and, for a POST, a 409
         saying the same key is still in flight) up to `retries` times, with the same Idempotency-Key on every
-        try of a POST. The response when it is a success; else the error it carries, raised."""
+        try of a POST. A DELETE, which carries no key, is sent again only when it never reached the server.
+        The response when it is a success; else the error it carries, raised."""
         sent = dict(headers or {})
         if method == "POST":
             sent["Idempotency-Key"] = idempotency_key or str(uuid.uuid4())
@@ -168,6 +169,11 @@ class Client:
                 response = self._http.request(method, path, params=params, json=json, content=content,
                                               headers=sent, timeout=timeout if timeout is not None else self.timeout)
             except httpx.TransportError as exc:
+                reached = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+                if reached and method == "DELETE":  # no Idempotency-Key: a second try could act twice
+                    raise VgpuCtlError(f"the server {self.url} did not answer {method} {path} "
+                                       f"({exc or type(exc).__name__}); it may have been done: look before retrying",
+                                       reasons=[{"field": "server", "value": self.url}], code="unreachable") from None
                 if attempt >= self.retries:
                     raise VgpuCtlError(f"can't reach the server {self.url}: {exc or type(exc).__name__}",
                                        reasons=[{"field": "server", "value": self.url}], code="unreachable") from None
