@@ -205,6 +205,14 @@ def test_reader_gets_403_on_every_write_and_nothing_changes(srv: ApiServer, http
     for method, url, kw in writes:
         p = problem_of(reader.request(method, url, **kw), 403, "permission_denied")
         assert p["reasons"] == [{"field": "role", "value": "reader"}], (method, url, p)
+    from vgpu_ctl import Controller
+    from vgpu_ctl.errors import PermissionDenied
+    with Controller(srv.store_url, token=srv.tokens["reader"], state_path=srv.state) as as_reader:
+        for call in (lambda: as_reader.request_vm("acme", "by-reader", "1g.10gb", vcpus=1, memory_mib=1024),
+                     lambda: as_reader.release_vm(vm["id"]), lambda: as_reader.stop_vm(vm["id"]),
+                     lambda: as_reader.start_vm(vm["id"])):
+            with pytest.raises(PermissionDenied):
+                call()
     assert snapshot(srv) == before
 
 
@@ -454,6 +462,26 @@ def test_idempotency_key_replays_the_stored_response(srv: ApiServer, http: Any) 
     t2 = _post(admin, {"name": f"{name}-x"}, "tk", "/v1/tenants")
     assert (t1.status_code, t2.status_code) == (201, 201) and t2.json() == t1.json()
     assert t2.headers["location"] == t1.headers["location"] == f"/v1/tenants/{name}-x"
+
+
+def test_idempotency_key_covers_the_query_but_not_the_wait(srv: ApiServer, http: Any) -> None:
+    _name, client = new_tenant(srv, http)
+    admin = http("admin")
+    yaml = {"content": DEMO.read_bytes(), "headers": {"Content-Type": "application/yaml", "Idempotency-Key": "inv"}}
+    dry = admin.post("/v1/inventory", params={"dry_run": "true"}, **yaml)  # type: ignore[arg-type]
+    assert dry.status_code == 200, dry.text
+    before = snapshot(srv)
+    p = problem_of(admin.post("/v1/inventory", params={"dry_run": "false"}, **yaml),  # type: ignore[arg-type]
+                   422, "idempotency_key_reused")
+    assert p["reasons"] == [{"field": "Idempotency-Key", "value": "inv"}]
+    again = admin.post("/v1/inventory", params={"dry_run": "true"}, **yaml)  # type: ignore[arg-type]
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert snapshot(srv) == before
+    waited = client.post("/v1/vms", params={"wait": "30s"}, json=VM_BODY, headers={"Idempotency-Key": "w"})
+    assert waited.status_code == 201
+    plain = client.post("/v1/vms", json=VM_BODY, headers={"Idempotency-Key": "w"})
+    assert plain.status_code == 201 and plain.headers["idempotent-replayed"] == "true"
+    assert plain.json() == waited.json() and client.get("/v1/vms").json()["total"] == 1
 
 
 def test_idempotency_key_reused_with_another_body_is_422(srv: ApiServer, http: Any) -> None:

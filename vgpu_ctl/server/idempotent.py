@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from urllib.parse import urlencode
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
@@ -17,9 +18,22 @@ from vgpu_ctl.service import idempotency as idem
 
 from .deps import principal_of, runtime
 from .problems import problem, problem_of
+from .runtime import Runtime
 
 HEADER = "idempotency-key"
 _KEPT_HEADERS = ("location", "etag", "content-type", "operation-location", "retry-after")
+
+
+def _target(request: Request) -> str:
+    """What the key names besides the body: the path and the query (sorted; `wait` aside, which changes how
+    long the caller waits, not what it asks), so that `?dry_run=true` and a real apply are two requests."""
+    query = sorted((k, v) for k, v in request.query_params.multi_items() if k != "wait")
+    return request.url.path + ("?" + urlencode(query) if query else "")
+
+
+def _abandon(rt: Runtime, scope: str, key: str) -> None:
+    with rt.ctx.tx() as conn:
+        idem.abandon(conn, scope, key)
 
 
 async def idempotency_middleware(request: Request,
@@ -37,7 +51,7 @@ async def idempotency_middleware(request: Request,
         return problem_of(exc)
     scope = f"tenant:{who.tenant}" if who.tenant is not None else f"{who.role}:{who.actor}"
     body = await request.body()
-    print_ = idem.fingerprint(request.method, request.url.path, body)
+    print_ = idem.fingerprint(request.method, _target(request), body)
     rt = runtime(request)
     ttl = timedelta(seconds=rt.cfg.idempotency_ttl_s)
 
@@ -59,14 +73,18 @@ async def idempotency_middleware(request: Request,
         media = headers.pop("content-type", "application/json")
         return JSONResponse(stored.response, status_code=stored.status_code or 200, headers=headers,
                             media_type=media)
-    response = await call_next(request)
-    chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+    try:
+        response = await call_next(request)
+        chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
+    except BaseException:  # no answer to replay (a bug, a cancelled request): a retry runs again
+        await run_in_threadpool(_abandon, rt, scope, key)
+        raise
     raw = b"".join(c if isinstance(c, bytes) else c.encode() for c in chunks)
     kept = {k: v for k, v in response.headers.items() if k in _KEPT_HEADERS}
 
     def end() -> None:
         with rt.ctx.tx() as conn:
-            if response.status_code >= 500:
+            if response.status_code >= 500:  # a retry may succeed: it runs again
                 idem.abandon(conn, scope, key)
             else:
                 try:
