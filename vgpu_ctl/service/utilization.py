@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 DEFAULT_IDLE_THRESHOLD = 0.05  # a vGPU whose busiest engine is below 5 % ...
 DEFAULT_IDLE_FOR_S = 1800.0  # ... for 30 minutes is idle
 MAX_IDLE_FOR_S = 366 * 86400.0
+SAMPLE_WORKERS = 16  # hosts sampled at once (each an SSH session to its agent)
 ALLOCATED = ("claimed", "ready")  # device states that hold GPU space
 
 # A sampler reads one host row (name, uri, driver, ...): its sample, or None when it has nothing to read there.
@@ -134,30 +136,40 @@ def default_sampler(ctl: Controller) -> Sampler:
     return read
 
 
-def sample_hosts(ctl: Controller, sampler: Sampler | None = None,
-                 hosts: Iterable[str] | None = None) -> tuple[dict[str, HostSample], dict[str, str | None]]:
-    """Each host's sample (admin or reader), and per host None (sampled) or why it was not: a HostError (NVML
-    missing, agent unreachable) is that host's note, never the round's failure."""
+def sample_hosts(ctl: Controller, sampler: Sampler | None = None, hosts: Iterable[str] | None = None,
+                 workers: int = SAMPLE_WORKERS) -> tuple[dict[str, HostSample], dict[str, str | None]]:
+    """Each host's sample (admin or reader), read from up to `workers` hosts at once, and per host None
+    (sampled) or why it was not: a HostError (NVML missing, agent unreachable) is that host's note, never the
+    round's failure."""
     ctl.principal.require_reader("utilization")
     read = sampler or default_sampler(ctl)
     wanted = None if hosts is None else set(hosts)
     with ctl.engine.connect() as conn:
-        rows = conn.execute(select(HOST).order_by(HOST.c.name)).all()
-    out: dict[str, HostSample] = {}
-    status: dict[str, str | None] = {}
-    for row in rows:
-        if wanted is not None and row.name not in wanted:
-            continue
+        rows = [r for r in conn.execute(select(HOST).order_by(HOST.c.name)).all()
+                if wanted is None or r.name in wanted]
+
+    def one(row: Any) -> HostSample | str:
         try:
             got = read(row)
         except HostError as exc:
-            status[row.name] = exc.message
-            continue
+            return exc.message
         if got is None:
-            status[row.name] = "simulated host: no GPUs to sample" if row.driver == "simulated" else "not sampled"
-            continue
-        out[row.name] = got
-        status[row.name] = None
+            return "simulated host: no GPUs to sample" if row.driver == "simulated" else "not sampled"
+        return got
+
+    if len(rows) > 1 and workers > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, len(rows)), thread_name_prefix="vgpu-sample") as pool:
+            results = list(pool.map(one, rows))
+    else:
+        results = [one(r) for r in rows]
+    out: dict[str, HostSample] = {}
+    status: dict[str, str | None] = {}
+    for row, got in zip(rows, results, strict=True):
+        if isinstance(got, HostSample):
+            out[row.name] = got
+            status[row.name] = None
+        else:
+            status[row.name] = got
     return out, status
 
 
