@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from sqlalchemy import Integer, String, bindparam, cast, select
 from sqlalchemy.engine import Connection, Engine
@@ -67,6 +67,9 @@ from vgpu_ctl.service.requests import (
     VmRequest,
 )
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.scheduling import Scheduling
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 _ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of a VM id, no LIKE wildcards
@@ -136,8 +139,8 @@ class Controller:
             raise
 
     @property
-    def scheduling(self) -> Any:
-        """Priority classes, fair share, the queue and preemption (a `service.scheduling.Scheduling`)."""
+    def scheduling(self) -> Scheduling:
+        """Priority classes, fair share, the queue and preemption."""
         from vgpu_ctl.service.scheduling import Scheduling
         return Scheduling(self)
 
@@ -260,6 +263,9 @@ class Controller:
             except BaseException:
                 trans.rollback()
                 raise
+        if not dry_run and any(c["action"] != "keep" for c in changes):
+            from vgpu_ctl.service.scheduling import capacity_freed
+            capacity_freed(self)  # a new host or GPU: queued requests that fit now are admitted
         return changes
 
     def set_host_state(self, name: str, state: str) -> dict[str, Any]:
@@ -271,6 +277,9 @@ class Controller:
             out = set_host_state(conn, name, state)
             if out["from"] != state:
                 record(conn, self.principal.actor, "host.state", name, params={"from": out["from"], "to": state})
+        if state == "active" and out["from"] != state:
+            from vgpu_ctl.service.scheduling import capacity_freed
+            capacity_freed(self)  # an uncordoned host: queued requests that fit now are admitted
         return out
 
     def inventory(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Create Date: 2026-12-03 16:00:00
   preemption history (cool-down). Deleting it closes the VM's usage interval into `usage_interval` (a trigger on
   both engines, so no path that deletes a VM can forget it); a VM that fails has it deleted (a trigger on vm).
 - `usage_ledger`: per tenant the folded, decayed past usage.
+VMs that exist already get a `vm_sched` row without a class, charged their framebuffer from the upgrade on.
 """
 
 from collections.abc import Sequence
@@ -135,7 +136,14 @@ def upgrade() -> None:
                     sa.CheckConstraint('fb_gib_h >= 0 AND compute_h >= 0', name='usage_ledger_nonneg'),
                     sa.ForeignKeyConstraint(['tenant_id'], ['tenant.id'], ondelete='CASCADE'),
                     sa.PrimaryKeyConstraint('tenant_id'))
-    for statement in (_SQLITE_TRIGGERS if op.get_bind().dialect.name == 'sqlite' else _PG_STATEMENTS):
+    sqlite = op.get_bind().dialect.name == 'sqlite'
+    # VMs made before this revision: no class (value 0, not preemptible), charged their framebuffer from now on
+    # (their compute slices need the catalog, which a migration does not read).
+    now = _SQLITE_NOW if sqlite else 'extract(epoch FROM now())'
+    op.execute("INSERT INTO vm_sched (vm_id, tenant_id, class_name, priority, preemptible, admitted_at, fb_gib, "
+               f"compute_slices, preemptions) SELECT id, tenant_id, NULL, 0, false, {now}, framebuffer_mib / 1024.0, "
+               "0, 0 FROM vm WHERE state <> 'failed'")
+    for statement in (_SQLITE_TRIGGERS if sqlite else _PG_STATEMENTS):
         op.execute(statement)
 
 

@@ -1,0 +1,89 @@
+"""The queue and the preemption metrics: a new host admits what waits; queue length and oldest wait by class,
+preemptions by reason and mode, in Prometheus form; a tenant sees only its own queued requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import write_inventory
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
+
+from vgpu_ctl import Controller
+from vgpu_ctl.service import scheduling_metrics
+from vgpu_ctl.service.requests import OperationInfo
+
+EXTRA_HOST = """
+pools:
+  - name: training
+    policy: pack
+hosts:
+  - name: kvm-a100-02
+    uri: "simulated:///kvm-a100-02"
+    driver: simulated
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {pci: "0000:c1:00.0", model: A100-80GB, mode: passthrough, pool: training}
+"""
+
+
+def _whole(ctl: Controller, tenant: str, name: str, **kw: object) -> object:
+    return ctl.request_vm(tenant, name, "A100-80GB", vcpus=4, memory_mib=8192, pool="training",
+                          **kw)  # type: ignore[call-overload]
+
+
+class _Scrape(Collector):
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield from scheduling_metrics.collect(self.ctl)
+
+
+def _metrics(ctl: Controller) -> str:
+    reg = CollectorRegistry()
+    reg.register(_Scrape(ctl))
+    return generate_latest(reg).decode()
+
+
+def test_new_host_admits_the_queue(ctl: Controller, tmp_path: Path) -> None:
+    ctl.create_tenant("acme")
+    ctl.scheduling.create_class("std", 100, default=True, preemption_policy="never")
+    _whole(ctl, "acme", "a")
+    op = _whole(ctl, "acme", "b", queue=True)
+    assert isinstance(op, OperationInfo) and op.state == "pending"
+    text = _metrics(ctl)
+    assert 'vgpu_queue_length{priority_class="std"} 1.0' in text
+    assert "vgpu_queue_oldest_wait_seconds" in text
+    ctl.apply_inventory(write_inventory(tmp_path, EXTRA_HOST))  # a new host: what waits is admitted
+    assert ctl.scheduling.queue() == []
+    assert ctl.get_vm("acme/b").host == "kvm-a100-02"
+    assert ctl.get_operation(op.id).state == "succeeded"
+    assert "vgpu_queue_length{" not in _metrics(ctl)
+
+
+def test_preemption_metric_by_reason(ctl: Controller) -> None:
+    ctl.create_tenant("acme")
+    ctl.scheduling.create_class("batch", 10, preemptible=True)
+    ctl.scheduling.create_class("prod", 1000)
+    _whole(ctl, "acme", "low", priority="batch")
+    _whole(ctl, "acme", "high", priority="prod")
+    text = _metrics(ctl)
+    assert 'vgpu_preemptions_total{mode="requeue",reason="capacity"} 1.0' in text
+    assert 'vgpu_queue_length{priority_class="batch"} 1.0' in text
+
+
+def test_tenant_sees_only_its_own_queue(ctl: Controller) -> None:
+    for t in ("acme", "beta"):
+        ctl.create_tenant(t)
+    _whole(ctl, "acme", "a")
+    _whole(ctl, "acme", "b", queue=True)
+    _whole(ctl, "beta", "c", queue=True)
+    # equal priority: fair share first, and beta has used nothing while acme holds a whole GPU
+    assert [(q["name"], q["fairshare"]) for q in ctl.scheduling.queue()] == [("c", 1.0), ("b", 0.5)]
+    token = ctl.issue_token("beta")
+    with Controller(ctl.engine.url.render_as_string(hide_password=False), token=token,
+                    state_path=ctl.state_path) as beta:
+        assert [(q["name"], q["position"]) for q in beta.scheduling.queue()] == [("c", 1)]
+        assert [r["name"] for r in beta.scheduling.share()] == ["beta"]
