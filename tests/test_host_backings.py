@@ -494,11 +494,13 @@ def test_reconcile_never_touches_a_device_under_a_running_domain(fleet: Fleet) -
     assert {fleet.ctl.get_vm(v.id).state for v in (vf, mig)} == {"running"}
     assert {v.id: fleet.ctl.vm_xml(v.id) for v in (vf, mig)} == xml_before
     assert all(_active(fleet).values())
-    # stopped, run2 gets its mdev started again by the next reconcile
+    # stopped, run2 gets its mdev started again by the next reconcile, and stays stopped as its tenant left it
     fleet.ctl.stop_vm(mig.id, force=True)
     fleet.ctl.reconcile(fix=True)
     assert fleet.log == ["nodedev start"], fleet.log
-    assert fleet.ctl.get_vm(mig.id).state == "running"
+    assert fleet.ctl.get_vm(mig.id).state == "stopped"
+    assert not _driver(fleet, "kvm1")._connection().lookupByName(f"{mig.name}-{mig.id[:8]}").isActive()
+    assert fleet.ctl.start_vm(mig.id).state == "running"
 
 
 def test_a_vf_lost_to_a_reboot_and_taken_since_is_not_given_back(fleet: Fleet) -> None:

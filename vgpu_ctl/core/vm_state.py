@@ -3,7 +3,8 @@
 placed -> devices-ready -> defined -> running <-> stopped is the way up; any provisioning state or running can
 fail (its claim undone); every state that holds a claim can go to releasing, after which the VM row is deleted.
 Reconcile may send a defined, running or stopped VM whose devices or domain vanished back to placed, to build it
-again. A failed VM holds nothing and can only be deleted.
+again, and a VM rebuilt that way that was stopped goes from defined back to stopped, not started. A failed VM
+holds nothing and can only be deleted.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ HOLDS_CLAIM = (*PROVISIONING, *LIVE, VmState.RELEASING)
 TRANSITIONS: dict[VmState, frozenset[VmState]] = {
     VmState.PLACED: frozenset({VmState.DEVICES_READY, VmState.FAILED, VmState.RELEASING}),
     VmState.DEVICES_READY: frozenset({VmState.DEFINED, VmState.FAILED, VmState.RELEASING}),
-    VmState.DEFINED: frozenset({VmState.RUNNING, VmState.FAILED, VmState.RELEASING, VmState.PLACED}),
+    VmState.DEFINED: frozenset({VmState.RUNNING, VmState.STOPPED, VmState.FAILED, VmState.RELEASING,
+                                VmState.PLACED}),
     VmState.RUNNING: frozenset({VmState.STOPPED, VmState.FAILED, VmState.RELEASING, VmState.PLACED}),
     VmState.STOPPED: frozenset({VmState.RUNNING, VmState.RELEASING, VmState.PLACED}),
     VmState.RELEASING: frozenset(),  # the row is deleted when the release finishes

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import ProfileKind
 from vgpu_ctl.core.backings import vgpu_backing
-from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, HOLDS_CLAIM, PROVISIONING, VmState
+from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, HOLDS_CLAIM, LIVE, PROVISIONING, VmState
 from vgpu_ctl.errors import Conflict, HostError, NotFound, VgpuCtlError
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDriver
 from vgpu_ctl.service import allocation as alloc
@@ -111,10 +111,11 @@ def _refuse_bare_mig(ctl: Controller, dev: Any, host: Any) -> HostError:
                                "instead": others}])
 
 
-def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None:
-    """Drive a placed (or part-provisioned) VM to running under a lease on it: `holder`'s (the claim's), else
-    one taken here; nothing when the VM is not being provisioned. On failure undo everything and raise
-    HostError; Conflict when another live process is working on the VM."""
+def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None, start: bool = True) -> None:
+    """Drive a placed (or part-provisioned) VM to running (to stopped, its domain defined, without `start`)
+    under a lease on it: `holder`'s (the claim's), else one taken here; nothing when the VM is not being
+    provisioned. On failure undo everything and raise HostError; Conflict when another live process is working
+    on the VM."""
     if holder is None:
         holder = new_holder()
         with ctl.tx() as conn:
@@ -122,7 +123,7 @@ def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None
                 return
     try:
         with Renewal(ctl, vm_id, holder):
-            _provision(ctl, vm_id, holder)
+            _provision(ctl, vm_id, holder, start)
     except VgpuCtlError as exc:
         undo(ctl, vm_id, exc.message, holder)
         if isinstance(exc, HostError | Conflict):
@@ -135,12 +136,12 @@ def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None) -> None
 
 def _step(conn: Connection, vm: Any, holder: str, from_state: str, to_state: str, **values: Any) -> None:
     """One step of provisioning, taken only while `holder` holds the VM's lease (a compare-and-set)."""
-    if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state != VmState.RUNNING, **values):
+    if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state not in LIVE, **values):
         raise Conflict(f"VM {vm.name!r} changed while it was being provisioned (another process took it over)",
                        reasons=[{"vm": vm.name, "step": to_state}])
 
 
-def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
+def _provision(ctl: Controller, vm_id: str, holder: str, start: bool = True) -> None:
     with ctl.engine.connect() as conn:
         vm, host, devs = _load(ctl, conn, vm_id)
     driver = ctl.hosts.get(host)
@@ -163,6 +164,10 @@ def _provision(ctl: Controller, vm_id: str, holder: str) -> None:
         dom_uuid = driver.define_domain(xml)
         with ctl.tx() as conn:
             _step(conn, vm, holder, VmState.DEVICES_READY, VmState.DEFINED, domain_uuid=dom_uuid)
+    if not start:
+        with ctl.tx() as conn:
+            _step(conn, vm, holder, VmState.DEFINED, VmState.STOPPED, error=None)
+        return
     driver.start_domain(domain_name(vm))
     with ctl.tx() as conn:
         _step(conn, vm, holder, VmState.DEFINED, VmState.RUNNING, error=None)

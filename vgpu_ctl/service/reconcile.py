@@ -151,7 +151,7 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
             if take(conn, vm.id, holder, (VmState.DEFINED, *LIVE), to_state=VmState.PLACED, what="recreate") is None:
                 raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
             conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
-        provision_vm(ctl, vm.id, holder)
+        provision_vm(ctl, vm.id, holder, start=vm.state != VmState.STOPPED)  # a stopped VM stays stopped
 
     return finding("lost-vm", f"VM {vm.name} ({vm.state}): {'; '.join(what)}", "recreate devices and domain",
                    recreate)
