@@ -20,7 +20,7 @@ from vgpu_ctl.service import idempotency
 from vgpu_ctl.service import operations as ops
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.controller import Controller
-from vgpu_ctl.service.leases import new_holder
+from vgpu_ctl.service.leases import new_holder, set_lease_seconds
 from vgpu_ctl.service.principals import Principal
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.models import ServerLease, utcnow
@@ -61,6 +61,8 @@ class Runtime:
 
     def __init__(self, cfg: ServerConfig, context: ServiceContext | None = None) -> None:
         self.cfg = cfg
+        # VM leases last as long as operation leases: a dead server's VMs are taken over with its operations
+        self._lease_before = set_lease_seconds(cfg.operation_lease_s)
         self.ctx = context or open_store(cfg)
         self.server = Controller(context=self.ctx, principal=Principal("server"))
         self.holder = new_holder()
@@ -290,3 +292,4 @@ class Runtime:
             on_drained()
         if self.drained:  # else a worker still uses the store: the process exits without closing it
             self.ctx.close()
+            set_lease_seconds(self._lease_before)

@@ -33,9 +33,22 @@ def new_holder() -> str:
     return f"{_HOST}:{os.getpid()}:{secrets.token_hex(6)}"
 
 
-def expiry(seconds: float = LEASE_SECONDS) -> datetime:
-    """When a lease taken or renewed now runs out."""
-    return utcnow() + timedelta(seconds=seconds)
+_lease_seconds = LEASE_SECONDS
+
+
+def set_lease_seconds(seconds: float) -> float:
+    """Set how long this process's leases on VMs last from each renewal (a server sets its --operation-lease,
+    so a VM it was provisioning when it died is taken over as soon as its operation); the time before."""
+    global _lease_seconds
+    if not seconds > 0:
+        raise ValueError(f"a lease must last more than 0 seconds, not {seconds!r}")
+    before, _lease_seconds = _lease_seconds, float(seconds)
+    return before
+
+
+def expiry(seconds: float | None = None) -> datetime:
+    """When a lease taken or renewed now runs out (this process's lease time unless `seconds`)."""
+    return utcnow() + timedelta(seconds=_lease_seconds if seconds is None else seconds)
 
 
 def _aware(t: datetime) -> datetime:
@@ -124,11 +137,12 @@ def drop(conn: Connection, vm_id: str, holder: str) -> None:
 
 
 class Renewal:
-    """While open, renews `holder`'s lease on the VM to `seconds` from now, every third of that (on a
-    background thread)."""
+    """While open, renews `holder`'s lease on the VM to `seconds` (default: this process's lease time) from
+    now, every third of that (on a background thread)."""
 
-    def __init__(self, ctl: Controller, vm_id: str, holder: str, seconds: float = LEASE_SECONDS) -> None:
+    def __init__(self, ctl: Controller, vm_id: str, holder: str, seconds: float | None = None) -> None:
         self._ctl, self._vm_id, self._holder = ctl, vm_id, holder
+        seconds = _lease_seconds if seconds is None else seconds
         self._seconds, self._every = seconds, seconds / 3
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{vm_id[:8]}", daemon=True)
