@@ -321,14 +321,16 @@ class _InventoryLoader(_BASE_LOADER):  # type: ignore[valid-type,misc]
         if id(node) in seen:  # an alias: PyYAML shares one object (or builds a recursive one)
             raise _Unusual
         seen.add(id(node))
-        if cls is yaml.SequenceNode and tag == _SEQ:
-            return [self._plain(n, seen) for n in node.value]
+        scalar, plain = yaml.ScalarNode, self._plain
+        if cls is yaml.SequenceNode and tag == _SEQ:  # strings inline: most nodes are
+            return [n.value if type(n) is scalar and n.tag == _STR else plain(n, seen) for n in node.value]
         if cls is yaml.MappingNode and tag == _MAP:
             out = {}
             for k, v in node.value:
-                if type(k) is not yaml.ScalarNode or k.tag == "tag:yaml.org,2002:merge":
+                if type(k) is not scalar or k.tag == "tag:yaml.org,2002:merge":
                     raise _Unusual
-                out[self._plain(k, seen)] = self._plain(v, seen)
+                out[k.value if k.tag == _STR else plain(k, seen)] = \
+                    v.value if type(v) is scalar and v.tag == _STR else plain(v, seen)
             return out
         raise _Unusual
 
