@@ -363,3 +363,21 @@ def test_measured_load_steers_spread_load_to_the_idle_gpu(store: Store) -> None:
         assert loaded.devices[0].gpu_id == ids["0000:81:00.0"]
     finally:
         ctl.close()
+
+
+def test_registries_made_per_scrape_share_the_idle_clock(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VGPU_CTL_IDLE_FOR", "600")
+    fleet = Fleet(store)
+    ctl = store.ctl()
+    try:
+        def scrape() -> dict[str, float]:
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(UtilizationCollector(ctl, fleet))  # a new registry each time, as the server's /metrics
+            fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+            return {s.labels["vm"]: s.value for s in fams["vgpuctl_vgpu_idle"].samples}
+
+        assert scrape() == {"a1": 0.0}
+        fleet.now += 601
+        assert scrape() == {"a1": 1.0}
+    finally:
+        ctl.close()

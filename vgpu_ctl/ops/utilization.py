@@ -90,6 +90,20 @@ def tracker_from_env() -> IdleTracker:
     return IdleTracker(check_idle_threshold(threshold, THRESHOLD_ENV), check_idle_for(idle_for, IDLE_FOR_ENV))
 
 
+_SHARED: dict[tuple[str, float, float], IdleTracker] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_tracker(store: str) -> IdleTracker:
+    """The idle tracker of this process for a store (configured from the environment): registries made per
+    request (the server's /metrics, metrics dump) share it, so the time below the threshold accumulates across
+    their scrapes as it does in one `metrics serve`."""
+    made = tracker_from_env()
+    key = (store, made.threshold, made.idle_for_s)
+    with _SHARED_LOCK:
+        return _SHARED.setdefault(key, made)
+
+
 def _s(value: object) -> str:
     return "" if value is None else str(value)
 
@@ -148,14 +162,17 @@ class UtilizationCollector:
         ctl.principal.require_reader("metrics")
         self.ctl = ctl
         self.sampler = sampler
-        self.tracker = tracker if tracker is not None else tracker_from_env()
+        self.tracker = tracker if tracker is not None else shared_tracker(
+            ctl.engine.url.render_as_string(hide_password=True))
         self._lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
         """The utilization families, sampled now."""
         with self._lock:
             usage = collect_usage(self.ctl, self.sampler)
-            yield from usage_metrics(usage, self.tracker.update(usage))
+            with self.tracker.lock:
+                idle = self.tracker.update(usage)
+            yield from usage_metrics(usage, idle)
 
     def describe(self) -> list[Metric]:
         """Nothing up front: sampling happens on scrapes only."""

@@ -9,6 +9,7 @@ whose handle names its GPU-instance id.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -320,6 +321,7 @@ class IdleTracker:
         self.threshold = check_idle_threshold(threshold)
         self.idle_for_s = check_idle_for(idle_for_s)
         self._since: dict[str, tuple[str, float]] = {}  # device -> (host, below since)
+        self.lock = threading.Lock()  # held by callers that share one tracker between threads
 
     def update(self, usage: FleetUsage) -> list[IdleVgpu]:
         """Feed one round; the allocated vGPUs below the threshold now, each with since when and whether idle.
