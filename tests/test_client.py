@@ -11,7 +11,7 @@ import httpx
 import pytest
 from serverfixtures import DEMO, RunningServer, free_port, server, shared_server
 
-from vgpu_ctl import Client, Controller, InvalidInput, NotFound, PermissionDenied, QuotaExceeded, VgpuCtlError
+from vgpu_ctl import Client, Conflict, Controller, InvalidInput, NotFound, PermissionDenied, QuotaExceeded, VgpuCtlError
 from vgpu_ctl.api import VgpuApi
 from vgpu_ctl.service.requests import OperationInfo, Placement, ReconcileReport, VmInfo
 
@@ -231,6 +231,12 @@ def test_the_admin_runs_the_fleet_remotely(shared_server: RunningServer, admin: 
     assert len(admin.inventory()["hosts"]) == 3
     assert [c for c in admin.apply_inventory(DEMO, dry_run=True) if c["action"] != "keep"] == []
     assert [c for c in admin.apply_inventory(DEMO, prune=True, expected_removals=[]) if c["action"] != "keep"] == []
+    smaller = shared_server.state_dir / "smaller.yaml"
+    smaller.write_text(DEMO.read_text().split("  - name: kvm-l40s-01")[0])
+    with pytest.raises(Conflict) as unconfirmed:  # the apply would remove a host the preview did not show
+        admin.apply_inventory(smaller, prune=True, expected_removals=[])
+    assert "host kvm-l40s-01" in unconfirmed.value.message and unconfirmed.value.exit_code == 5
+    assert len(admin.inventory()["hosts"]) == 3
     cordoned = admin.set_host_state("kvm-l40s-01", "draining")
     assert (cordoned["from"], cordoned["to"]) == ("active", "draining")
     assert admin.set_host_state("kvm-l40s-01", "active")["from"] == "draining"

@@ -167,3 +167,29 @@ def test_a_server_needs_a_token_a_url_and_no_store(shared_server: RunningServer)
     assert unreachable.returncode == 1 and _json(unreachable)["error"]["code"] == "unreachable"
     wrong = vgpuctl("--server", shared_server.url, "--token", "vgt-wrong", "vm", "list")
     assert wrong.returncode == 7 and "not valid" in wrong.stderr
+
+
+def test_inventory_apply_prints_the_same_and_names_the_callers_file(shared_server: RunningServer,
+                                                                    tmp_path: Path) -> None:
+    from serverfixtures import DEMO
+    srv = shared_server
+    out, code = both(srv, "inventory", "apply", str(DEMO), "--dry-run", "-o", "json")
+    assert code == 0 and out["changes"] == []
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools:\n  - name: x\n    policy: nope\n")
+    err, code = both(srv, "inventory", "apply", str(broken), "-o", "json")
+    assert code == 2 and str(broken) in err["error"]["message"]
+    missing, code = both(srv, "inventory", "apply", str(tmp_path / "none.yaml"), "-o", "json")
+    assert code == 2 and "cannot read" in missing["error"]["message"]
+    smaller = tmp_path / "smaller.yaml"  # the demo without its last host: --prune removes it, after asking
+    text = DEMO.read_text()
+    smaller.write_text(text[:text.index("  - name: kvm-l40s-01")])
+    preview = _json(srv.cli("inventory", "apply", str(smaller), "--prune", "--dry-run", "-o", "json"))
+    assert ("remove", "host", "kvm-l40s-01") in {(c["action"], c["kind"], c["name"]) for c in preview["changes"]}
+    refused = srv.cli("inventory", "apply", str(smaller), "--prune", "-o", "json", input="n\n")
+    assert refused.returncode == 1 and _json(refused)["error"]["code"] == "not_confirmed"
+    assert "kvm-l40s-01" in [h["name"] for h in _json(srv.cli("inventory", "show", "-o", "json"))["hosts"]]
+    confirmed = srv.cli("inventory", "apply", str(smaller), "--prune", "-o", "json", input="y\n")
+    assert confirmed.returncode == 0, confirmed.stdout + confirmed.stderr
+    assert "kvm-l40s-01" not in [h["name"] for h in _json(srv.cli("inventory", "show", "-o", "json"))["hosts"]]
+    assert srv.cli("inventory", "apply", str(DEMO)).returncode == 0  # the shared server's fleet as it was

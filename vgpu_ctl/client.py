@@ -29,7 +29,6 @@ import httpx
 
 from vgpu_ctl.catalog import ProfileInfo, ProfileKind
 from vgpu_ctl.errors import (
-    Conflict,
     InvalidInput,
     InventoryError,
     NotFound,
@@ -226,31 +225,22 @@ class Client:
                         progress: Callable[[int, int, str], None] | None = None, *, prune: bool = False,
                         expected_removals: Collection[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
         """Send the inventory file's YAML to the server to apply (with `prune`, also removing what it leaves
-        out); the changes (none made with dry_run). With `expected_removals` (what a preview showed), the
-        server is first asked for a preview again and Conflict is raised, nothing changed, if it would now
-        remove anything else (a store that changes between that preview and the apply is not caught). `progress`
-        is called once, when the server has answered."""
+        out); the changes (none made with dry_run). With `expected_removals` (what a preview showed), Conflict
+        and nothing changed if the apply would remove anything else. Errors name the file as `path` says.
+        `progress` is called once, when the server has answered."""
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise InventoryError(f"inventory file {path}: cannot read: {exc.strerror}") from None
         except UnicodeDecodeError:
             raise InventoryError(f"inventory file {path}: not UTF-8 text") from None
-
-        def send(dry: bool) -> list[dict[str, Any]]:
-            out: list[dict[str, Any]] = self.request("POST", "/v1/inventory", params={"dry_run": dry, "prune": prune},
-                                                     content=text, headers={"Content-Type": "application/yaml"}).json()
-            return out
-
-        if expected_removals is not None and not dry_run:
-            expected = {tuple(r) for r in expected_removals}
-            unconfirmed = [f"{c['kind']} {c['name']}" for c in send(True)
-                           if c["action"] == "remove" and (c["kind"], c["name"]) not in expected]
-            if unconfirmed:
-                raise Conflict(f"the store changed since the preview: applying would now also remove "
-                               f"{', '.join(unconfirmed)}; nothing was changed, run it again",
-                               reasons=[{"unconfirmed": unconfirmed}])
-        changes = send(dry_run)
+        params: dict[str, Any] = {"dry_run": dry_run, "prune": prune, "source": str(path)}
+        if expected_removals is not None:
+            params["check_removals"] = True
+            params["expect_removal"] = [f"{kind}:{name}" for kind, name in expected_removals]
+        changes: list[dict[str, Any]] = self.request(
+            "POST", "/v1/inventory", params=params, content=text,
+            headers={"Content-Type": "application/yaml"}).json()
         if progress is not None:
             progress(1, 1, self.url)
         return changes

@@ -60,15 +60,33 @@ def inventory(request: Request) -> dict[str, Any]:
 @router.post("/inventory", summary="Apply an inventory (YAML body)",
              responses={**_WRITE, **problem_responses(502)})
 def apply_inventory(request: Request, body: str = Body(..., media_type="application/yaml"),
-                    dry_run: bool = False, prune: bool = False) -> list[dict[str, Any]]:
+                    dry_run: bool = False, prune: bool = False,
+                    source: str | None = Query(None, max_length=4096, description="The file's name as the caller "
+                                               "knows it: errors and the audit trail name it"),
+                    expect_removal: list[str] | None = Query(None, description="KIND:NAME of each removal a "
+                                                             "preview showed (with check_removals)"),
+                    check_removals: bool = Query(False, description="409, nothing changed, if the apply would "
+                                                 "remove anything not in expect_removal")) -> list[dict[str, Any]]:
     """Add and update what the YAML inventory in the body declares (with `prune`, also remove what it leaves
     out); the changes, none made with `dry_run`."""
+    from vgpu_ctl.errors import InvalidInput
+    from vgpu_ctl.inventory import parse_inventory
     ctl = writer(request)
     ctl.principal.require_admin("inventory apply")
+    expected = [(kind, name) for kind, _, name in (r.partition(":") for r in expect_removal or ())] \
+        if check_removals else None
     with tempfile.TemporaryDirectory(prefix="vgpu-inv-") as d:
         path = pathlib.Path(d) / "inventory.yaml"
         path.write_text(body)
-        return ctl.apply_inventory(path, dry_run=dry_run, prune=prune)
+        try:
+            inv = parse_inventory(path, ctl.catalog)
+        except InvalidInput as exc:  # name the file as the caller knows it, not this temporary copy
+            if source is not None:
+                exc.message = exc.message.replace(str(path), source)
+                exc.reasons = [{k: source if v == str(path) else v for k, v in r.items()} for r in exc.reasons]
+            raise
+        return ctl.apply_declaration(inv, dry_run=dry_run, source=source or "api", prune=prune,
+                                     expected_removals=expected)
 
 
 @router.get("/hosts", summary="Hosts")
