@@ -381,3 +381,15 @@ def test_registries_made_per_scrape_share_the_idle_clock(store: Store, monkeypat
         assert scrape() == {"a1": 1.0}
     finally:
         ctl.close()
+
+
+def test_a_driver_without_the_v1_utilization_struct_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pynvml
+    nvml = one_host()
+
+    def mismatch(handle: Any, ts: int) -> list[Any]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetVgpuInstancesUtilizationInfo", mismatch)
+    v1 = sample(nvml, kmsg=None).vgpus[0]
+    assert v1.sm == 0.4 and v1.jpeg is None

@@ -140,6 +140,7 @@ class _Reader:
         self.skip = {int(nvml.NVML_ERROR_NOT_SUPPORTED), int(nvml.NVML_ERROR_FUNCTION_NOT_FOUND)}
 
     def get(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)`, or None where NVML answers that it is not supported (other errors are raised)."""
         try:
             return fn(*args)
         except self.n.NVMLError as exc:
@@ -185,8 +186,14 @@ def _vgpu_utilization(r: _Reader, h: Any) -> dict[int, dict[str, float]]:
     """Per vGPU instance on the GPU, its utilization ratios (v1 info with jpeg/ofa where the driver has it)."""
     n = r.n
     out: dict[int, dict[str, float]] = {}
-    info = r.get(n.nvmlDeviceGetVgpuInstancesUtilizationInfo, h, 0) \
-        if hasattr(n, "nvmlDeviceGetVgpuInstancesUtilizationInfo") else None
+    info = None
+    if hasattr(n, "nvmlDeviceGetVgpuInstancesUtilizationInfo"):
+        try:
+            info = r.get(n.nvmlDeviceGetVgpuInstancesUtilizationInfo, h, 0)
+        except n.NVMLError as exc:
+            # a driver older than the struct's version answers VERSION_MISMATCH: use the older call below
+            if exc.value != getattr(n, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", 25):
+                raise
     if info is not None:
         for s in info:
             out[int(s.vgpuInstance)] = {"sm": _ratio(s.smUtil), "memory": _ratio(s.memUtil),

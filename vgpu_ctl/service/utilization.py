@@ -131,6 +131,7 @@ def default_sampler(ctl: Controller) -> Sampler:
     """Sample each libvirt host through its agent (in process for a local URI, over SSH otherwise); simulated
     hosts have no GPUs to read and are skipped."""
     def read(host: Any) -> HostSample | None:
+        """The host's sample through its agent; None for a simulated host."""
         if host.driver == "simulated":
             return None
         return sample_side(ctl.hosts.side(host))
@@ -150,6 +151,7 @@ def sample_hosts(ctl: Controller, sampler: Sampler | None = None, hosts: Iterabl
                 if wanted is None or r.name in wanted]
 
     def one(row: Any) -> HostSample | str:
+        """The host's sample, or why there is none."""
         try:
             got = read(row)
         except HostError as exc:

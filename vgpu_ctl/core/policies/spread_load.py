@@ -36,6 +36,7 @@ def load_score(load: Mapping[int, float]) -> ScoreFn:
     loads = check_loads(load)
 
     def score(host: HostView, gpu: GpuView, after: Occupancy, profile: str, start: int) -> Score:
+        """Load steps, then spread's keys; smaller is better."""
         steps = math.floor(loads.get(gpu.gpu_id, 0.0) / LOAD_STEP + 1e-9)
         used = 1 - gpu.occupancy.free_units / gpu.occupancy.geometry.axis
         return (float(steps), used, -host.free_vcpus, host.order, gpu.gpu_id, start)
