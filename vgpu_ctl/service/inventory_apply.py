@@ -6,6 +6,7 @@ with `prune`; without it, each such object is reported as a `keep` change and le
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
@@ -180,6 +181,7 @@ def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Cal
 
 
 CHUNK = 5000  # rows per multi-row INSERT statement
+_DECLARED = ("model", "mode", "pool_id", "pinned_type", "mig_layout")  # the GPU columns a declaration sets
 
 
 def _chunks(rows: list[dict[str, Any]], size: int = CHUNK) -> Iterator[list[dict[str, Any]]]:
@@ -198,17 +200,20 @@ class _GpuWriter:
         self.catalog = catalog
         self.pool_ids = pool_ids
         self.pool_names = {v: k for k, v in pool_ids.items()}
-        self._fields: dict[tuple[Any, ...], tuple[dict[str, Any], int, int]] = {}
+        self._fields: dict[tuple[Any, ...], tuple[dict[str, Any], int, int, tuple[Any, ...]]] = {}
         self._new: list[tuple[str | int, dict[str, Any]]] = []  # (host id, or name while it has none; row)
+        self._stored = operator.itemgetter(*(GPU.c.keys().index(c) for c in _DECLARED))  # a row's declared columns
 
-    def _declared(self, g: GpuDecl) -> tuple[dict[str, Any], int, int]:
-        """(columns the declaration sets, axis units, fit mask of the GPU empty) for a GPU declaration."""
+    def _declared(self, g: GpuDecl) -> tuple[dict[str, Any], int, int, tuple[Any, ...]]:
+        """(columns the declaration sets, axis units, fit mask of the GPU empty, the columns' values in the order
+        of _DECLARED) for a GPU declaration."""
         key = (g.model, g.mode, g.pool, g.vgpu_type, tuple(g.mig_layout) if g.mig_layout is not None else None)
         found = self._fields.get(key)
         if found is None:
             fields = _gpu_fields(self.catalog, g, self.pool_ids)
             axis = geometry_for(self.catalog, g.model, g.mode).axis
-            found = self._fields[key] = (fields, axis, _fits(self.catalog, {**fields, "layout": ""}))
+            found = self._fields[key] = (fields, axis, _fits(self.catalog, {**fields, "layout": ""}),
+                                         tuple(fields[c] for c in _DECLARED))
         return found
 
     def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, Any], prune: bool) -> list[Change]:
@@ -216,7 +221,7 @@ class _GpuWriter:
         being added)."""
         changes: list[Change] = []
         for g in h.gpus:
-            fields, axis, fits = self._declared(g)
+            fields, axis, fits, values_now = self._declared(g)
             label = f"{h.name}/{g.pci}"
             row = existing.get(g.pci)
             if row is None:
@@ -226,6 +231,8 @@ class _GpuWriter:
                 shown = {k: v for k, v in fields.items() if v not in (None, "")}
                 changes.append({"action": "add", "kind": "gpu", "name": label,
                                 "fields": _named(shown, self.pool_names)})
+                continue
+            if self._stored(row) == values_now:  # as declared: the common case of a re-apply
                 continue
             d = _diff(row._mapping, fields)
             if not d:
