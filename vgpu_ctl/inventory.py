@@ -174,6 +174,13 @@ class PoolDecl(_Named):
             raise ValueError("an empty demand: leave it out instead")
         return v
 
+    @field_validator("description")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        if any(not c.isprintable() and c not in "\n\t" for c in v):  # NUL (PostgreSQL refuses it) among them
+            raise ValueError("a description holds text, lines and tabs, but no other control character")
+        return v
+
     @field_validator("template")
     @classmethod
     def _template(cls, v: str | None) -> str | None:
