@@ -482,8 +482,10 @@ def test_each_store_has_its_own_simulated_hosts(state_dir: Path, tmp_path: Path)
 # -- the Python API ---------------------------------------------------------------------------------------------------
 
 def test_request_vm_is_typed() -> None:
+    from vgpu_ctl.service.requests import OperationInfo
     returns = [typing.get_type_hints(f)["return"] for f in typing.get_overloads(Controller.request_vm)]
-    assert returns == [VmInfo, Placement, VmInfo | Placement]
+    # queue=True: the VM, or the pending operation when it has to wait (the scheduling issue)
+    assert returns == [VmInfo, VmInfo | OperationInfo, Placement, VmInfo | Placement | OperationInfo]
 
 
 def test_api_dry_run_devices_path_and_context_manager(state_dir: Path, sqlite_url: str) -> None:

@@ -245,3 +245,51 @@ def test_invariants_after_any_sequence(state_dir: Path, ops: list[tuple[Any, ...
                 held = conn.execute(text("SELECT count(*) FROM vm WHERE state <> 'failed'")).scalar()
                 rows = conn.execute(text("SELECT count(*) FROM vm_sched")).scalar()
             assert held == rows
+
+
+def test_a_victim_that_cannot_be_freed_stays_and_is_not_requeued(ctl: Controller,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl.errors import Conflict
+    from vgpu_ctl.service import provision
+    classes(ctl)
+    whole(ctl, "acme", "train", priority="batch")
+
+    def busy(*args: Any, **kw: Any) -> None:
+        raise Conflict("VM 'train' is being worked on by another process")
+
+    monkeypatch.setattr(provision, "release_vm", busy)
+    with pytest.raises(NoCapacity):
+        whole(ctl, "beta", "serve", priority="prod")
+    assert [v.name for v in ctl.list_vms()] == ["train"]
+    assert ctl.scheduling.queue() == []
+    failed = [e for e in ctl.events() if e["action"] == "vm.preempted"]
+    assert [(e["result"], e["error"]) for e in failed] == [("failed", "VM 'train' is being worked on by another "
+                                                                       "process")]
+    assert ctl.scheduling.preemption_counts() == {}  # only preemptions that happened count
+    check_store_invariants(ctl.engine)
+
+
+def test_a_requeued_victim_still_there_is_dropped_after_the_grace(ctl: Controller) -> None:
+    classes(ctl)
+    vm = whole(ctl, "acme", "train", priority="batch")
+    tenant_id = vm_tenant(ctl)
+    with ctl.tx() as conn:  # as if a preemption had queued it and then died before releasing it
+        scheduling._enqueue(conn, ctl.principal, tenant_id, {"tenant": "acme", "name": "train", "vgpus": [],
+                                                                  "vcpus": 4, "memory_mib": 8192, "requeued": True},
+                            vm.id)
+    ctl.scheduling.admit()
+    assert len(ctl.scheduling.queue()) == 1  # young: its preemption may still be running
+    ctl.scheduling.set_settings(grace_s=0)
+    monkey = scheduling.PREEMPTION_SLACK_S
+    try:
+        scheduling.PREEMPTION_SLACK_S = 0
+        ctl.scheduling.admit()
+    finally:
+        scheduling.PREEMPTION_SLACK_S = monkey
+    assert ctl.scheduling.queue() == []
+    assert ctl.get_vm("acme/train").state == "running"
+
+
+def vm_tenant(ctl: Controller) -> int:
+    with ctl.engine.connect() as conn:
+        return int(conn.execute(text("SELECT id FROM tenant WHERE name = 'acme'")).scalar_one())

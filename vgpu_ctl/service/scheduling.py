@@ -9,6 +9,7 @@ and drives the hosts. See docs/design-scheduling.md.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
@@ -41,7 +42,7 @@ from vgpu_ctl.core.priority import (
     check_value,
     resolve_class,
 )
-from vgpu_ctl.core.vm_state import LIVE
+from vgpu_ctl.core.vm_state import LIVE, VmState
 from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, Refused, VgpuCtlError
 from vgpu_ctl.inventory import check_int, check_name
 from vgpu_ctl.service import allocation as alloc
@@ -81,6 +82,12 @@ SETTINGS: dict[str, float] = {"half_life_s": 7 * 86400.0, "grace_s": 30.0, "cool
 """Scheduling settings and their defaults: usage half-life, the grace period of a preempted VM's shutdown, and
 the cool-down during which a re-admitted victim is not preempted again by a request no higher than the one that
 preempted it."""
+
+log = logging.getLogger(__name__)
+
+PREEMPTION_SLACK_S = 300.0
+"""How long past the grace period a requeued victim that still holds its devices is waited for (its preemption
+is still running) before its queued request is dropped as a preemption that never happened."""
 
 COMPACT_AT = 256
 """Closed usage intervals are folded into the tenants' ledgers once there are this many."""
@@ -620,14 +627,26 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
             hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
         if vm is None or host is None:
             continue  # gone meanwhile: it freed its room already
-        forced = grace_stop(ctl, host, domain_name(vm), conf["grace_s"]) if vm.state == "running" else False
         queued = _requeue_request(conn, vm, v.tenant, v, cls.value, conf["cooldown_s"],
                                   {"preemptions": hist.preemptions if hist else 0}) \
             if v.mode == PreemptionMode.REQUEUE.value else None
-        release_vm(system, v.vm_id)
+        op_id = None
+        if queued is not None:  # queued first: a crash after it loses no victim (admission waits for the VM to go)
+            with ctl.tx() as conn:
+                op_id = _enqueue(conn, Principal(ctl.principal.actor), vm.tenant_id, queued, v.vm_id)
+        try:
+            forced = grace_stop(ctl, host, domain_name(vm), conf["grace_s"]) if vm.state == "running" else False
+            release_vm(system, v.vm_id)
+        except VgpuCtlError as exc:  # changed meanwhile, or its host failed: it stays, and is not requeued
+            with ctl.tx() as conn:
+                if op_id is not None:
+                    _drop_queued(conn, op_id, f"the preemption of VM {v.name!r} failed: {exc.message}")
+                record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
+                       params={"name": v.name, "mode": v.mode, "reason": reason,
+                               "preemptor": f"{req.tenant}/{req.name}", "priority": cls.value},
+                       result="failed", error=exc.message)
+            continue
         with ctl.tx() as conn:
-            if queued is not None:
-                _enqueue(conn, Principal(ctl.principal.actor), vm.tenant_id, queued, v.vm_id)
             record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
                    params={"name": v.name, "mode": v.mode, "reason": reason, "forced": forced,
                            "preemptor": f"{req.tenant}/{req.name}", "priority": cls.value})
@@ -645,6 +664,14 @@ def _enqueue(conn: Connection, principal: Principal, tenant_id: int, request: Ma
         tenant_id=tenant_id, vm_id=vm_id, request=dict(request), lease_holder=QUEUE_HOLDER, lease_expires=None,
         attempts=0, created_at=now, updated_at=now, error=reason))
     return op_id
+
+
+def _drop_queued(conn: Connection, op_id: str, why: str) -> None:
+    """End a queued operation as failed with `why`."""
+    now = utcnow()
+    conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == "pending")
+                 .values(state="failed", lease_holder=None, updated_at=now, finished_at=now,
+                         error={"code": "cancelled", "message": why, "reasons": []}))
 
 
 def enqueue(ctl: Controller, req: VmRequest, exc: Refused) -> str:
@@ -719,8 +746,20 @@ def admit_queued(ctl: Controller) -> list[str]:
     with ctl.engine.connect() as conn:
         order = queue_order(conn, ctl.catalog)
         askers = {r.id: principal_of(conn, r) for r, _, _ in order}
+        wait_s = settings(conn)["grace_s"] + PREEMPTION_SLACK_S
     for row, _cls, _f in order:
         q = dict(row.request)
+        if row.vm_id is not None and q.get("requeued"):
+            with ctl.engine.connect() as conn:
+                still = conn.execute(select(VM.c.state, VM.c.lease_holder).where(VM.c.id == row.vm_id)).first()
+            young = time.time() - row.created_at.timestamp() < wait_s
+            if still is not None and (still.state == VmState.RELEASING or young):
+                continue  # the victim is still being stopped or released: it waits for that
+            if still is not None:  # the preemption never freed it (a crash before its release): nothing to do
+                with ctl.tx() as conn:
+                    _drop_queued(conn, row.id, f"VM {q['name']!r} was not preempted after all; it still holds "
+                                               "its devices")
+                continue
         claim_holder = f"admit-{uuid.uuid4()}"
         with ctl.tx() as conn:  # take it: one admitter per queued request
             took = conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.state == "pending",
@@ -758,7 +797,17 @@ def admit_queued(ctl: Controller) -> list[str]:
 
 
 def capacity_freed(ctl: Controller) -> list[str]:
-    """What a release calls: fold old usage intervals when many, then admit what waits; the VMs admitted."""
+    """What a release (a new host, an uncordon) calls: fold old usage intervals when many, then admit what
+    waits; the VMs admitted. Best effort: the change that freed capacity is done, so a failure here is logged and
+    left to the next trigger (or `vgpuctl queue --admit`)."""
+    try:
+        return _capacity_freed(ctl)
+    except Exception:
+        log.exception("admitting queued requests failed; they stay queued")
+        return []
+
+
+def _capacity_freed(ctl: Controller) -> list[str]:
     with ctl.engine.connect() as conn:
         waiting = conn.execute(select(func.count()).select_from(OPERATION)
                                .where(OPERATION.c.state == "pending", OPERATION.c.lease_holder == QUEUE_HOLDER)
@@ -778,10 +827,7 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
         if row is None or row.state != "pending" or row.lease_holder != QUEUE_HOLDER or (
                 ctl.principal.tenant_id is not None and row.tenant_id != ctl.principal.tenant_id):
             raise NotFound(f"queued request {op_id!r} not found", reasons=[{"field": "operation", "value": op_id}])
-        now = utcnow()
-        conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == "pending")
-                     .values(state="failed", lease_holder=None, updated_at=now, finished_at=now,
-                             error={"code": "cancelled", "message": "taken out of the queue", "reasons": []}))
+        _drop_queued(conn, op_id, "taken out of the queue")
         record(conn, ctl.principal.actor, "vm.dequeue", f"operation:{op_id}",
                params={"name": row.request.get("name")})
 
@@ -789,10 +835,11 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
 # -- metrics ----------------------------------------------------------------------------------------------------
 
 def preemption_counts(conn: Connection) -> dict[tuple[str, str], int]:
-    """Preemptions so far by (reason, mode), counted from the audit trail (every replica's)."""
+    """Preemptions done so far by (reason, mode), counted from the audit trail (every replica's)."""
     from vgpu_ctl.service.audit import EVENT
     out: dict[tuple[str, str], int] = {}
-    for params, in conn.execute(select(EVENT.c.params).where(EVENT.c.action == "vm.preempted")):
+    for params, in conn.execute(select(EVENT.c.params).where(EVENT.c.action == "vm.preempted",
+                                                             EVENT.c.result == "ok")):
         p = params if isinstance(params, dict) else {}
         key = (str(p.get("reason", "unknown")), str(p.get("mode", "unknown")))
         out[key] = out.get(key, 0) + 1
