@@ -35,12 +35,8 @@ class ApiServer:
     tokens: dict[str, str]
     proc: subprocess.Popen[bytes]
     log: Path
+    store_url: str  # the store the server runs on
     clients: list[httpx.Client] = field(default_factory=list)
-
-    @property
-    def store_url(self) -> str:
-        """The SQLite store the server runs on."""
-        return f"sqlite:///{self.state / 's.db'}"
 
     def client(self, who: str | None = None, token: str | None = None) -> httpx.Client:
         """An HTTP client sending `who`'s token (admin, reader or a tenant's name), or `token` as given, or
@@ -79,11 +75,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_store(state: Path, tenants: tuple[str, ...]) -> dict[str, str]:
-    """The demo fleet, `tenants` with tokens, an admin and a reader API token: the tokens by who holds them."""
+def build_store(state: Path, tenants: tuple[str, ...], store: str | None = None) -> dict[str, str]:
+    """The demo fleet, `tenants` with tokens, an admin and a reader API token on `store` (default: a SQLite
+    file under `state`): the tokens by who holds them."""
     state.mkdir(parents=True, exist_ok=True)
     tokens: dict[str, str] = {}
-    with Controller(f"sqlite:///{state / 's.db'}", state_path=state) as c:
+    with Controller(store or f"sqlite:///{state / 's.db'}", state_path=state) as c:
         c.apply_inventory(DEMO)
         for t in tenants:
             c.create_tenant(t)
@@ -94,11 +91,13 @@ def build_store(state: Path, tenants: tuple[str, ...]) -> dict[str, str]:
 
 
 @contextmanager
-def api_server(base: Path, tenants: tuple[str, ...] = ("acme", "globex"), **settings: Any) -> Iterator[ApiServer]:
-    """Build a store under `base` and serve it on a free loopback port until the block ends (SIGTERM, then
-    kill after 20 s). `settings` are ServerConfig keys written to the server's config file."""
+def api_server(base: Path, tenants: tuple[str, ...] = ("acme", "globex"), store: str | None = None,
+               **settings: Any) -> Iterator[ApiServer]:
+    """Build a store (`store`, default a SQLite file under `base`) and serve it on a free loopback port until
+    the block ends (SIGTERM, then kill after 20 s). `settings` are ServerConfig keys for its config file."""
     state = base / "state"
-    tokens = build_store(state, tenants)
+    store = store or f"sqlite:///{state / 's.db'}"
+    tokens = build_store(state, tenants, store)
     port = free_port()
     conf = {"listen": f"127.0.0.1:{port}", "reconcile_interval_s": 0, "recovery_interval_s": 0.5,
             "workers": 2, "drain_timeout_s": 10, **settings}
@@ -106,11 +105,11 @@ def api_server(base: Path, tenants: tuple[str, ...] = ("acme", "globex"), **sett
     cfg.write_text("[server]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in conf.items()))
     log = base / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_CTL_")}
-    env.update(VGPU_CTL_STATE_DIR=str(state), VGPU_CTL_DATABASE_URL=f"sqlite:///{state / 's.db'}")
+    env.update(VGPU_CTL_STATE_DIR=str(state), VGPU_CTL_DATABASE_URL=store)
     with log.open("wb") as out:
         proc = subprocess.Popen([str(VGPUCTL), "serve", "--config", str(cfg), "--log-level", "warning"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=base)
-    server = ApiServer(f"http://127.0.0.1:{port}", state, tokens, proc, log)
+    server = ApiServer(f"http://127.0.0.1:{port}", state, tokens, proc, log, store)
     try:
         _wait_up(server)
         yield server

@@ -628,6 +628,44 @@ def test_bad_input_elsewhere_is_400_and_changes_nothing(srv: ApiServer, http: An
     assert snapshot(srv) == before
 
 
+def _nul_requests(admin: httpx.Client, tenant: httpx.Client) -> list[tuple[httpx.Response, str]]:
+    """Requests with a NUL character in the path, the query or the body, and the field each must name."""
+    yaml = {"Content-Type": "application/yaml"}
+    return [
+        (tenant.get("/v1/vms/a%00b"), "path"),
+        (admin.get("/v1/tenants/acme%00"), "path"),
+        (admin.delete("/v1/tokens/x%00"), "path"),
+        (admin.get("/v1/vms", params={"tenant": "acme\x00"}), "tenant"),
+        (admin.get("/v1/status", params={"host": "h\x00"}), "host"),
+        (tenant.get("/v1/operations", params={"state": "\x00"}), "state"),
+        (tenant.post("/v1/vms", json={**VM_BODY, "vgpus": [{"profile": "1g\x00"}]}), "vgpus.0.profile"),
+        (tenant.post("/v1/vms", json={**VM_BODY, "labels": {"rack": "r1\x00"}}), "labels.rack"),
+        (admin.put("/v1/tenants/acme/quota", json={"limits": {"profile:\x00": 1}}), "limits"),
+        (admin.post("/v1/inventory", params={"dry_run": "true"}, headers=yaml,
+                    content=b'pools:\n  - {name: p0, description: "a\\0b"}\nhosts: []\n'), "pools[0].description"),
+    ]
+
+
+def test_nul_characters_are_400_naming_the_field(srv: ApiServer, http: Any) -> None:
+    before = snapshot(srv)
+    for r, field in _nul_requests(http("admin"), http("acme")):
+        p = problem_of(r, 400, r.json().get("code", "?"))
+        assert p["reasons"][0]["field"] == field, (field, p)
+    assert snapshot(srv) == before
+
+
+@pytest.mark.postgres
+def test_nul_characters_are_400_on_postgresql(tmp_path: Path) -> None:
+    """PostgreSQL refuses NUL in text: each of these was a 500 there."""
+    from conftest import pg_schema
+    with pg_schema() as url, api_server(tmp_path, tenants=("acme",), store=url) as server:
+        admin, tenant = server.client("admin"), server.client("acme")
+        for r, field in _nul_requests(admin, tenant):
+            p = problem_of(r, 400, r.json().get("code", "?"))
+            assert p["reasons"][0]["field"] == field, (field, p)
+        assert tenant.get("/v1/vms").json()["total"] == 0  # and the connection still answers
+
+
 # -- tenants, quotas, tokens, hosts, inventory and the operator's views ---------------------------------------------
 
 

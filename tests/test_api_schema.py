@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
 import schemathesis
 from apifixtures import ApiServer, api_server
+from conftest import pg_schema
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -41,10 +43,14 @@ def _yaml(ctx: Any, value: Any) -> bytes:
     return yaml.safe_dump(value).encode()
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    """A server of its own: generated requests delete, revoke and cordon what they name."""
-    with api_server(tmp_path_factory.mktemp("schema"), tenants=("acme", TENANT), workers=2) as server:
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def srv(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    """A server of its own (on SQLite, then on PostgreSQL): generated requests delete, revoke and cordon
+    what they name."""
+    with ExitStack() as stack:
+        store = stack.enter_context(pg_schema()) if request.param == "postgres" else None
+        server = stack.enter_context(api_server(tmp_path_factory.mktemp("schema"), tenants=("acme", TENANT),
+                                                store=store, workers=2))
         with server.ctl() as c:  # what the schema's examples name: acme's VM job1, a quota to hit
             c.set_quota("acme", {"vgpus": 8})
             c.set_quota(TENANT, {"vgpus": 4})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +21,7 @@ from .idempotent import idempotency_middleware
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
 from .runtime import Runtime
 
+log = logging.getLogger("vgpu_ctl.server")
 LOOPBACK = ("127.0.0.1", "::1")
 ANONYMOUS = ("/healthz",)  # the only paths that need no bearer token
 _SHOWN = 120  # characters of a bad value quoted in a message
@@ -59,6 +62,51 @@ def _invalid(errors: list[Any]) -> JSONResponse:
     if len(reasons) > 1:
         message += f" (and {len(reasons) - 1} more)"
     return problem(400, "invalid", message, reasons)
+
+
+def _nul_in(value: Any, where: str) -> str | None:
+    """The field (dotted) of the first string holding a NUL character in a parsed JSON value, else None."""
+    if isinstance(value, str):
+        return where if "\x00" in value else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _nul_in(k, where) or _nul_in(v, f"{where}.{k}" if where else str(k))
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _nul_in(v, f"{where}.{i}" if where else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """The outermost layer: 400 for a NUL character anywhere in the path, the query or a JSON body (no name,
+    profile or label holds one, and PostgreSQL can't store one: it was a 500 there), and a bug's exception
+    as a 500 problem, logged (caught here, it does not reach the server, which would drop the connection)."""
+    field: str | None = None
+    if "\x00" in request.scope["path"]:
+        field = "path"
+    for k, v in request.query_params.multi_items():
+        if field is None and ("\x00" in k or "\x00" in v):
+            field = k
+    if field is None and request.method in ("POST", "PUT", "PATCH") \
+            and request.headers.get("content-type", "").startswith("application/json"):
+        body = await request.body()
+        if b"\\u0000" in body or b"\x00" in body:
+            try:
+                field = _nul_in(json.loads(body), "") or "body"
+            except ValueError:
+                field = "body"
+    if field is not None:
+        return problem(400, "invalid", f"{field} holds a NUL character (\\u0000), which no value may hold",
+                       [{"field": field, "problem": "NUL character"}])
+    try:
+        return await call_next(request)
+    except Exception as exc:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return problem(500, "internal", f"the server failed ({type(exc).__name__}); it is logged, please report it")
 
 
 def _problem_schema(app: FastAPI) -> dict[str, Any]:
@@ -103,6 +151,7 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
                   redoc_url=None,
                   description="Pools of virtual GPUs on KVM hosts, handed to tenants' VMs under quotas.")
     app.middleware("http")(idempotency_middleware)
+    app.middleware("http")(guard)  # added last: runs first
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
