@@ -111,7 +111,7 @@ def test_errors_are_the_controllers_own(shared_server: RunningServer, acme: Clie
 def test_a_bad_or_missing_credential_is_refused(shared_server: RunningServer) -> None:
     with Client(shared_server.url, "vgt-not-a-token") as c, pytest.raises(PermissionDenied) as err:
         c.list_vms()
-    assert err.value.exit_code == 7 and err.value.code == "unauthenticated"
+    assert err.value.exit_code == 7 and err.value.code == "permission_denied" and "not valid" in err.value.message
     with pytest.raises(InvalidInput) as empty:
         Client(shared_server.url, " ")
     assert empty.value.reasons[0]["field"] == "token"

@@ -165,8 +165,8 @@ def test_a_server_needs_a_token_a_url_and_no_store(shared_server: RunningServer)
     down = f"http://127.0.0.1:{free_port()}"
     unreachable = vgpuctl("--server", down, "--token", "x", "vm", "list", "-o", "json")
     assert unreachable.returncode == 1 and _json(unreachable)["error"]["code"] == "unreachable"
-    wrong = vgpuctl("--server", shared_server.url, "--token", "vgt-wrong", "vm", "list")
-    assert wrong.returncode == 7 and "not valid" in wrong.stderr
+    wrong, code = both(shared_server, "vm", "list", "-o", "json", token="vgt-wrong")
+    assert code == 7 and wrong["error"]["code"] == "permission_denied" and "not valid" in wrong["error"]["message"]
 
 
 def test_inventory_apply_prints_the_same_and_names_the_callers_file(shared_server: RunningServer,

@@ -99,10 +99,8 @@ def error_of(response: httpx.Response) -> VgpuCtlError:
         text = response.text.strip()[:300]
         return VgpuCtlError(f"the server answered {response.status_code} {response.reason_phrase}"
                             + (f": {text}" if text else ""), code=f"http_{response.status_code}")
-    if body["code"] == "unauthenticated":  # the CLI's PermissionDenied (exit 7), keeping the server's code
-        exc: VgpuCtlError = PermissionDenied(str(body.get("message", "")), list(body.get("reasons") or []))
-        exc.code = "unauthenticated"
-        return exc
+    if body["code"] == "unauthenticated":  # a 401: what the Controller raises for a bad token
+        return PermissionDenied(str(body.get("message", "")), list(body.get("reasons") or []))
     return error_from_dict(body)
 
 

@@ -62,7 +62,8 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
+def main(ctx: typer.Context,
+         db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
                                 help="Store URL: sqlite:///PATH or postgresql://USER@HOST/DB (default: SQLite "
                                      "under $VGPU_CTL_STATE_DIR or ~/.local/state/vgpu-ctl)."),
          token: str = typer.Option(None, "--token", help="Tenant API token (or $VGPU_CTL_TOKEN): act as that tenant."),
@@ -74,8 +75,15 @@ def main(db: str = typer.Option(None, "--db", envvar="VGPU_CTL_DATABASE_URL",
                                       help="Print the version and exit.")) -> None:
     """Global options."""
     if server is not None and db is not None:
-        fail(InvalidInput(f"give --db (a store on this machine) or --server (a server), not both: --db {db} "
-                          f"--server {server}", reasons=[{"field": "server", "value": server}]), Output.table)
+        from typer._click.core import ParameterSource
+
+        def named(param: str, option: str, env: str) -> str:
+            return option if ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE else f"${env}"
+
+        db_name, server_name = named("db", "--db", "VGPU_CTL_DATABASE_URL"), named("server", "--server",
+                                                                                   "VGPU_CTL_SERVER")
+        fail(InvalidInput(f"give a store on this machine ({db_name} {db}) or a server ({server_name} {server}), "
+                          "not both", reasons=[{"field": "server", "value": server}]), Output.table)
     STATE.db = db
     STATE.token = token
     STATE.actor = actor
