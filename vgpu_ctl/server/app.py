@@ -154,6 +154,7 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
     app.middleware("http")(guard)  # added last: runs first
 
     def openapi() -> dict[str, Any]:
+        """The OpenAPI document, built once (see _problem_schema)."""
         if app.openapi_schema is None:
             app.openapi_schema = _problem_schema(app)
         return app.openapi_schema
