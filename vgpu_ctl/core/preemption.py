@@ -45,8 +45,8 @@ class Holder:
     priority: int
     preemptible: bool
     devices: tuple[tuple[int, int], ...]  # (gpu_id, start)
-    vcpus: int = 0
-    memory_mib: int = 0
+    vcpus: float = 0
+    memory_mib: float = 0
     admitted_at: float = 0.0
     borrowed: bool = False
     protected_below: int | None = None
@@ -74,7 +74,7 @@ def without(host: HostView, victims: Iterable[Holder]) -> HostView:
     """The host as it would be once the victims are gone: their slots off its GPUs, their vCPUs and memory
     back."""
     gone: dict[int, set[int]] = {}
-    vcpus = memory = 0
+    vcpus = memory = 0.0
     for v in victims:
         vcpus += v.vcpus
         memory += v.memory_mib
