@@ -293,3 +293,15 @@ def test_a_requeued_victim_still_there_is_dropped_after_the_grace(ctl: Controlle
 def vm_tenant(ctl: Controller) -> int:
     with ctl.engine.connect() as conn:
         return int(conn.execute(text("SELECT id FROM tenant WHERE name = 'acme'")).scalar_one())
+
+
+def test_cool_down_runs_from_readmission_and_can_be_off(ctl: Controller) -> None:
+    classes(ctl)
+    ctl.scheduling.set_settings(cooldown_s=0)
+    whole(ctl, "acme", "train", priority="batch")
+    whole(ctl, "beta", "serve", priority="prod")
+    ctl.release_vm("beta/serve")
+    row = sched_row(ctl, "train")
+    assert row["protected_until"] == pytest.approx(row["admitted_at"])  # from its re-admission, 0 s long
+    assert whole(ctl, "beta", "again", priority="prod").state == "running"  # no cool-down: preempted again
+    assert [q["name"] for q in ctl.scheduling.queue()] == ["train"]

@@ -331,14 +331,17 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
 
 def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
            history: Mapping[str, Any] | None = None) -> None:
-    """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction)."""
+    """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
+    re-admitted victim's cool-down starts now."""
     fb, compute = charge_of(catalog, chosen)
     h = history or {}
+    now = time.time()
+    protected = h.get("protected_below")  # a requeued victim: its cool-down runs from this admission
     conn.execute(insert(VMSCHED).values(
         vm_id=vm_id, tenant_id=tenant_id, class_name=cls.name or None, priority=cls.value,
-        preemptible=cls.preemptible, admitted_at=time.time(), fb_gib=fb, compute_slices=compute,
-        preemptions=int(h.get("preemptions", 0)), protected_below=h.get("protected_below"),
-        protected_until=h.get("protected_until")))
+        preemptible=cls.preemptible, admitted_at=now, fb_gib=fb, compute_slices=compute,
+        preemptions=int(h.get("preemptions", 0)), protected_below=protected,
+        protected_until=now + float(h.get("cooldown_s", 0.0)) if protected is not None else None))
 
 
 # -- fair share -------------------------------------------------------------------------------------------------
@@ -583,15 +586,15 @@ def grace_stop(ctl: Controller, host: Any, domain: str, grace_s: float) -> bool:
     return True
 
 
-def _requeue_request(conn: Connection, vm: Any, tenant: str, victim: Victim, preemptor: int,
-                     cooldown_s: float, history: Mapping[str, Any]) -> dict[str, Any]:
+def _requeue_request(vm: Any, tenant: str, victim: Victim, preemptor: int, cooldown_s: float,
+                     history: Mapping[str, Any]) -> dict[str, Any]:
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     return {"tenant": tenant, "name": vm.name, "vgpus": [{"profile": p, "count": n} for p, n in spec.get("vgpus", [])],
             "vcpus": int(vm.vcpus), "memory_mib": int(vm.memory_mib), "pool": spec.get("pool"),
             "labels": spec.get("labels", {}), "anti_affinity": vm.anti_affinity, "template": spec.get("template"),
             "priority": victim.priority_class, "vm_id": vm.id,
             "history": {"preemptions": int(history.get("preemptions", 0)) + 1, "protected_below": preemptor,
-                        "protected_until": time.time() + cooldown_s},
+                        "cooldown_s": cooldown_s},
             "requeued": True}
 
 
@@ -627,7 +630,7 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
             hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
         if vm is None or host is None:
             continue  # gone meanwhile: it freed its room already
-        queued = _requeue_request(conn, vm, v.tenant, v, cls.value, conf["cooldown_s"],
+        queued = _requeue_request(vm, v.tenant, v, cls.value, conf["cooldown_s"],
                                   {"preemptions": hist.preemptions if hist else 0}) \
             if v.mode == PreemptionMode.REQUEUE.value else None
         op_id = None
