@@ -339,6 +339,36 @@ def test_refusals_fail_the_operation_with_code_and_reasons(srv: ApiServer, http:
         ("vm.create", "refused", "quota_exceeded")] * 2 + [("vm.create", "refused", "no_capacity")]
 
 
+def test_waits_do_not_hold_the_server(srv: ApiServer, http: Any) -> None:
+    """More callers waiting on an operation (?wait) than the server has threads: others are still answered
+    at once, and each wait ends after its time with the operation as it is."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vgpu_ctl.service import operations as ops
+    from vgpu_ctl.service.principals import Principal
+    name, client = new_tenant(srv, http)
+    with srv.ctl() as c, c.tx() as conn:  # an operation another replica holds and does not finish
+        t_id = c._tenant_id(conn, name)
+        stuck = ops.submit(conn, Principal(f"tenant:{name}", t_id, name, "tenant"), "vm.create",
+                           {**VM_BODY, "tenant": name}, tenant_id=t_id, vm_id=None, holder="elsewhere:1:stuck",
+                           lease_seconds=600)
+    headers = {"Authorization": f"Bearer {srv.tokens[name]}"}
+
+    def wait() -> httpx.Response:
+        return httpx.get(f"{srv.url}/v1/operations/{stuck.id}", params={"wait": "4s"}, headers=headers,
+                         timeout=60)
+
+    with ThreadPoolExecutor(64) as pool:
+        waits = [pool.submit(wait) for _ in range(64)]
+        time.sleep(1.0)
+        started = time.monotonic()
+        r = client.get("/v1/pools")
+        answered = time.monotonic() - started
+        results = [f.result() for f in waits]
+    assert r.status_code == 200 and answered < 1.5, answered
+    assert {(x.status_code, x.json()["state"]) for x in results} == {(200, "running")}
+
+
 def test_delete_is_202_then_the_vm_is_gone_and_quota_freed(srv: ApiServer, http: Any) -> None:
     name, client = new_tenant(srv, http, {"vms": 1})
     vm = created(client)

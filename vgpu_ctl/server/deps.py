@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from vgpu_ctl.errors import InvalidInput, PermissionDenied, VgpuCtlError
 from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.service.operations import OperationInfo
 from vgpu_ctl.service.principals import Principal, authenticate
 
 from .runtime import Runtime
@@ -97,3 +101,20 @@ def wait_seconds(value: str | None) -> float:
         raise InvalidInput(f"wait {value!r} is longer than {MAX_WAIT_S:.0f}s",
                            reasons=[{"field": "wait", "value": value}])
     return seconds
+
+
+async def wait_done(request: Request, info: OperationInfo, seconds: float) -> OperationInfo:
+    """The operation once it is done, or as it is after `seconds`. Read again after pauses that start short
+    (most operations end within milliseconds) and grow to 0.1 s; no thread is held while it waits, so any
+    number of callers may wait at once without keeping others from being answered."""
+    ctl = controller(request)
+    deadline = time.monotonic() + seconds
+    pause = 0.005
+    while not info.done:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        await asyncio.sleep(min(left, pause))
+        pause = min(pause * 1.5, 0.1)
+        info = await run_in_threadpool(ctl.get_operation, info.id)
+    return info

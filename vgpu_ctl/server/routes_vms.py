@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError, error_from_dict
 from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.operations import OperationInfo
 from vgpu_ctl.service.requests import Placement, VmInfo
 
-from .deps import controller, etag, if_match, principal_of, runtime, wait_seconds, writer
+from .deps import controller, etag, if_match, principal_of, runtime, wait_done, wait_seconds, writer
 from .problems import problem_of, problem_responses
 from .schemas import StopVm, VmCreate, VmPage
 
@@ -64,21 +65,26 @@ def _accepting(request: Request) -> None:
                        "headers": {**_ETAG, "Location": {"description": "The VM: /v1/vms/ID",
                                                          "schema": {"type": "string"}}}},
                  **_LONG})
-def create_vm(request: Request, body: VmCreate,
-              wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
+async def create_vm(request: Request, body: VmCreate,
+                    wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept a VM request as an operation: 202 with `Location: /v1/operations/ID`; with `?wait=30s`, the VM
     (201) or the refusal (409 for quota or capacity) when it ends within that time."""
     seconds = wait_seconds(wait)
-    _accepting(request)
-    rt = runtime(request)
-    info = writer(request).submit_vm_create(
-        _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
-        memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
-        idempotency_key=body.idempotency_key, template=body.template, holder=rt.holder,
-        lease_seconds=rt.cfg.operation_lease_s)
-    rt.dispatch(info.id)
+
+    def submit() -> OperationInfo:
+        _accepting(request)
+        rt = runtime(request)
+        info = writer(request).submit_vm_create(
+            _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
+            memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
+            idempotency_key=body.idempotency_key, template=body.template, holder=rt.holder,
+            lease_seconds=rt.cfg.operation_lease_s)
+        rt.dispatch(info.id)
+        return info
+
+    info = await run_in_threadpool(submit)
     if seconds > 0:
-        info = rt.wait(info.id, seconds, principal_of(request))
+        info = await wait_done(request, info, seconds)
     return _operation_response(request, info)
 
 
@@ -143,27 +149,33 @@ def start_vm(request: Request, response: Response, ref: str = REF) -> VmInfo:
                    202: {"description": "Accepted: the operation, pending", "headers": _LOCATION},
                    200: {"model": OperationInfo, "description": "Deleted (with ?wait, once done within it)"},
                    **_LONG})
-def delete_vm(request: Request, ref: str = REF, wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
+async def delete_vm(request: Request, ref: str = REF,
+                    wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept the VM's deletion as an operation (202, `Location`); with `?wait=`, 200 once done."""
     seconds = wait_seconds(wait)
-    _accepting(request)
-    rt = runtime(request)
-    info = writer(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
+
+    def submit() -> OperationInfo:
+        _accepting(request)
+        rt = runtime(request)
+        info = writer(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
                                                 lease_seconds=rt.cfg.operation_lease_s)
-    rt.dispatch(info.id)
+        rt.dispatch(info.id)
+        return info
+
+    info = await run_in_threadpool(submit)
     if seconds > 0:
-        info = rt.wait(info.id, seconds, principal_of(request))
+        info = await wait_done(request, info, seconds)
     return _operation_response(request, info)
 
 
 @router.get("/operations/{op_id}", summary="One operation", response_model=OperationInfo)
-def get_operation(request: Request, op_id: str,
-                  wait: str | None = Query(None, description=WAIT_DOC)) -> OperationInfo:
+async def get_operation(request: Request, op_id: str,
+                        wait: str | None = Query(None, description=WAIT_DOC)) -> OperationInfo:
     """An operation: its state, the VM, the result or the error, its times (`?wait=` until it is done)."""
     seconds = wait_seconds(wait)
-    info = controller(request).get_operation(op_id)
-    if seconds > 0 and not info.done:
-        info = runtime(request).wait(op_id, seconds, principal_of(request))
+    info = await run_in_threadpool(controller(request).get_operation, op_id)
+    if seconds > 0:
+        info = await wait_done(request, info, seconds)
     return info
 
 
