@@ -213,7 +213,7 @@ def test_queue_cancel(cli: Cli) -> None:
 
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(["acme", "beta"]), st.sampled_from(["batch", "std", "prod", "urgent"]),
-              st.sampled_from(["3g.40gb", "7g.80gb", "1g.10gb"])),
+              st.sampled_from(["3g.40gb", "7g.80gb", "1g.10gb"]), st.booleans()),
     st.tuples(st.just("release"), st.integers(0, 20)),
 ), min_size=1, max_size=8)
 
@@ -226,10 +226,10 @@ def test_invariants_after_any_sequence(state_dir: Path, ops: list[tuple[Any, ...
         classes(ctl)
         for n, op in enumerate(ops):
             if op[0] == "admit":
-                _, tenant, cls, profile = op
+                _, tenant, cls, profile, queue = op
                 try:
                     ctl.request_vm(tenant, f"v{n}", profile, vcpus=2, memory_mib=4096, pool="inference",
-                                   priority=cls)
+                                   priority=cls, queue=queue)
                 except Refused:
                     # refused: then no allowed set of victims makes room (a higher priority never waits while
                     # a lower preemptible VM holds what it needs)
@@ -240,6 +240,14 @@ def test_invariants_after_any_sequence(state_dir: Path, ops: list[tuple[Any, ...
                 vms = ctl.list_vms()
                 if vms:
                     ctl.release_vm(vms[op[1] % len(vms)].id)
+            check_store_invariants(ctl.engine)
+            ctl.scheduling.admit()  # what waits and could preempt has done so: none waits needlessly now
+            for q in ctl.scheduling.queue():
+                vgpus = [(v["profile"], v["count"]) for v in next(
+                    o for o in ctl.list_operations(["pending"]) if o.id == q["operation"]).request["vgpus"]]
+                with pytest.raises(NoCapacity):
+                    ctl.scheduling.preview(q["tenant"], q["name"], vgpus, vcpus=2, memory_mib=4096, pool="inference",
+                                           priority=q["priority_class"])
             check_store_invariants(ctl.engine)
             with ctl.engine.connect() as conn:  # every VM that holds devices has its priority row, and only those
                 held = conn.execute(text("SELECT count(*) FROM vm WHERE state <> 'failed'")).scalar()

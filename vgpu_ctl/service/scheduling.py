@@ -677,9 +677,10 @@ def _drop_queued(conn: Connection, op_id: str, why: str) -> None:
                          error={"code": "cancelled", "message": why, "reasons": []}))
 
 
-def enqueue(ctl: Controller, req: VmRequest, exc: Refused) -> str:
-    """Queue a refused request as a pending operation with the reason it waits; its id."""
-    request = {"tenant": req.tenant, "name": req.name,
+def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None = None) -> str:
+    """Queue a refused request as a pending operation with the reason it waits (and whether it may preempt when
+    tried again: `preempt` as `request_vm` takes it); its id."""
+    request = {"preempt": preempt, "tenant": req.tenant, "name": req.name,
                "vgpus": [{"profile": v.profile, "count": v.count} for v in req.vgpus], "vcpus": req.vcpus,
                "memory_mib": req.memory_mib, "pool": req.pool, "labels": dict(req.labels),
                "anti_affinity": req.anti_affinity, "template": req.template, "priority": req.priority}
@@ -741,8 +742,9 @@ def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[d
 
 def admit_queued(ctl: Controller) -> list[str]:
     """Try the queued requests in admission order (each one that fits now is admitted, provisioned and its
-    operation finished; one that does not keeps waiting with its new reason); the ids of those admitted. Runs
-    in process after a release and when asked (`vgpuctl queue --admit`)."""
+    operation finished; one whose class preempts may preempt lower-priority VMs for it; one that still does not
+    fit keeps waiting with its new reason); the ids of those admitted. Runs in process after a release, a new
+    host or an uncordon, and when asked (`vgpuctl queue --admit`)."""
     from vgpu_ctl.service.operations import principal_of
     from vgpu_ctl.service.requests import VgpuRequest, VmRequest
     admitted: list[str] = []
@@ -750,7 +752,7 @@ def admit_queued(ctl: Controller) -> list[str]:
         order = queue_order(conn, ctl.catalog)
         askers = {r.id: principal_of(conn, r) for r, _, _ in order}
         wait_s = settings(conn)["grace_s"] + PREEMPTION_SLACK_S
-    for row, _cls, _f in order:
+    for row, cls, _f in order:
         q = dict(row.request)
         if row.vm_id is not None and q.get("requeued"):
             with ctl.engine.connect() as conn:
@@ -777,7 +779,14 @@ def admit_queued(ctl: Controller) -> list[str]:
         actor = ctl.acting_as(askers[row.id])
         state, result, error = "pending", None, None
         try:
-            vm = admit(actor, req)
+            try:
+                vm = admit(actor, req)
+            except NoCapacity:
+                if not wants_preemption(cls, q.get("preempt")):
+                    raise
+                # a waiting request whose class preempts does not wait while lower preemptible VMs hold its room
+                preempt(actor, req, cls, "capacity")
+                vm = admit(actor, req)
             state, result = "succeeded", vm.to_dict()
             admitted.append(vm.id)
         except Refused as exc:
@@ -875,7 +884,7 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
             except Refused as again:
                 exc = again
     if queue:
-        op_id = enqueue(ctl, req, exc)
+        op_id = enqueue(ctl, req, exc, preempt)
         with ctl.engine.connect() as conn:
             return get_operation(conn, ctl.principal, op_id)
     raise exc
