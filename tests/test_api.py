@@ -557,6 +557,32 @@ def test_idempotency_key_in_flight_is_409(srv: ApiServer, http: Any) -> None:
     problem_of(_post(client, VM_BODY, "k-busy"), 422, "idempotency_key_reused")
 
 
+def test_idempotency_key_left_in_flight_by_a_dead_server_is_taken_again(srv: ApiServer, http: Any) -> None:
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from vgpu_ctl.server.idempotent import IN_FLIGHT_STALE
+    from vgpu_ctl.service import idempotency as idem
+    from vgpu_ctl.store.models import utcnow
+    name, client = new_tenant(srv, http)
+    raw = json.dumps(VM_BODY).encode()
+    with srv.ctl() as c, c.tx() as conn:  # a request a server began answering, then died
+        assert idem.begin(conn, f"tenant:{name}", "k-dead", idem.fingerprint("POST", "/v1/vms", raw)).state == "new"
+        conn.execute(update(idem.IDEMPOTENT).where(idem.IDEMPOTENT.c.key == "k-dead")
+                     .values(created_at=utcnow() - IN_FLIGHT_STALE + timedelta(seconds=30)))
+    headers = {"Idempotency-Key": "k-dead", "Content-Type": "application/json"}
+    problem_of(client.post("/v1/vms", content=raw, headers=headers), 409, "idempotency_key_in_flight")
+    with srv.ctl() as c, c.tx() as conn:
+        conn.execute(update(idem.IDEMPOTENT).where(idem.IDEMPOTENT.c.key == "k-dead")
+                     .values(created_at=utcnow() - IN_FLIGHT_STALE - timedelta(seconds=1)))
+    r = client.post("/v1/vms", content=raw, headers=headers)
+    assert r.status_code == 202 and "idempotent-replayed" not in r.headers, r.text
+    assert wait_operation(client, r.headers["location"])["state"] == "succeeded"
+    again = client.post("/v1/vms", content=raw, headers=headers)
+    assert again.headers["idempotent-replayed"] == "true" and again.headers["location"] == r.headers["location"]
+
+
 def test_idempotency_keys_are_per_tenant(srv: ApiServer, http: Any) -> None:
     a, ca = new_tenant(srv, http)
     b, cb = new_tenant(srv, http)

@@ -21,6 +21,9 @@ from .problems import problem, problem_of
 from .runtime import Runtime
 
 HEADER = "idempotency-key"
+# A request with a key still unanswered after this long was abandoned (its server died): a retry runs it
+# again instead of getting 409 until the key expires. Longer than any request takes: a wait is at most 300 s.
+IN_FLIGHT_STALE = timedelta(minutes=10)
 _KEPT_HEADERS = ("location", "etag", "content-type", "operation-location", "retry-after")
 
 
@@ -57,7 +60,7 @@ async def idempotency_middleware(request: Request,
 
     def begin() -> idem.Stored:
         with rt.ctx.tx() as conn:
-            return idem.begin(conn, scope, key, print_, ttl)
+            return idem.begin(conn, scope, key, print_, ttl, stale_after=IN_FLIGHT_STALE)
 
     stored = await run_in_threadpool(begin)
     if stored.state == "mismatch":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, select, update
@@ -41,8 +41,11 @@ def fingerprint(method: str, path: str, body: bytes) -> str:
     return hashlib.sha256(method.encode() + b" " + path.encode() + b"\n" + canon).hexdigest()
 
 
-def begin(conn: Connection, scope: str, key: str, print_: str, ttl: timedelta = DEFAULT_TTL) -> Stored:
-    """Claim `key` for this request (in its own transaction on `conn`) or say what holds it."""
+def begin(conn: Connection, scope: str, key: str, print_: str, ttl: timedelta = DEFAULT_TTL,
+          stale_after: timedelta | None = None) -> Stored:
+    """Claim `key` for this request (in its own transaction on `conn`) or say what holds it. A request still
+    in flight after `stale_after` is taken as abandoned (its server died before answering) and the key is
+    claimed again, so that a retry is not refused until the key expires."""
     now = utcnow()
     conn.execute(delete(IDEMPOTENT).where(IDEMPOTENT.c.scope == scope, IDEMPOTENT.c.key == key,
                                           IDEMPOTENT.c.expires_at <= now))
@@ -57,8 +60,17 @@ def begin(conn: Connection, scope: str, key: str, print_: str, ttl: timedelta = 
     if row.fingerprint != print_:
         return Stored("mismatch")
     if row.state == "in-flight":
+        if stale_after is not None and _aware(row.created_at) <= now - stale_after and conn.execute(
+                update(IDEMPOTENT).where(IDEMPOTENT.c.id == row.id, IDEMPOTENT.c.state == "in-flight",
+                                         IDEMPOTENT.c.created_at == row.created_at)
+                .values(created_at=now, expires_at=now + ttl)).rowcount == 1:
+            return Stored("new")
         return Stored("in-flight")
     return Stored("done", row.status_code, row.response, dict(row.headers))
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def complete(conn: Connection, scope: str, key: str, status_code: int, response: Any,
