@@ -3,13 +3,15 @@ preemptions by reason and mode, in Prometheus form; a tenant sees only its own q
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from conftest import write_inventory
+import pytest
+from conftest import Cli, write_inventory
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from vgpu_ctl import Controller
+from vgpu_ctl import Controller, InvalidInput
 from vgpu_ctl.service import scheduling_metrics
 from vgpu_ctl.service.requests import OperationInfo
 
@@ -87,3 +89,32 @@ def test_tenant_sees_only_its_own_queue(ctl: Controller) -> None:
                     state_path=ctl.state_path) as beta:
         assert [(q["name"], q["position"]) for q in beta.scheduling.queue()] == [("c", 1)]
         assert [r["name"] for r in beta.scheduling.share()] == ["beta"]
+
+
+def test_queue_deadline(ctl: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctl.create_tenant("acme")
+    _whole(ctl, "acme", "a")
+    with pytest.raises(InvalidInput, match="field queue_deadline"):
+        _whole(ctl, "acme", "b", queue=True, queue_deadline_s=-5)
+    op = _whole(ctl, "acme", "b", queue=True, queue_deadline_s=60)
+    assert isinstance(op, OperationInfo)
+    assert ctl.scheduling.queue()[0]["deadline"] == pytest.approx(time.time() + 60, abs=5)
+    real = time.time
+    monkeypatch.setattr("time.time", lambda: real() + 120)  # two minutes on
+    ctl.scheduling.admit()
+    assert ctl.scheduling.queue() == []
+    done = ctl.get_operation(op.id)
+    assert done.state == "failed" and done.error is not None and done.error["code"] == "deadline"
+
+
+def test_cli_queue_deadline_bad_input(cli: Cli) -> None:
+    args = ["vm", "create", "--tenant", "acme", "--name", "b", "--profile", "A100-80GB", "--vcpus", "4", "--memory",
+            "8GiB", "--pool", "training", "--queue"]
+    bad = cli.json(*args, "--queue-deadline", "soon", code=2)
+    assert bad["error"]["reasons"][0] == {"field": "queue-deadline", "value": "soon"}
+    assert cli.json("vm", "list") == [] and cli.json("queue") == []
+    assert cli.json(*args, "--queue-deadline", "2h")["state"] == "running"  # it fits: no waiting
+    op = cli.json(*[a if a != "b" else "c" for a in args], "--queue-deadline", "2h")
+    assert op["state"] == "pending"
+    (waiting,) = cli.json("queue")
+    assert waiting["operation"] == op["id"] and waiting["deadline"] == pytest.approx(time.time() + 7200, abs=60)

@@ -21,6 +21,7 @@ from vgpu_ctl.cli.common import (
     run,
     short_id,
 )
+from vgpu_ctl.cli.scheduling import parse_duration
 from vgpu_ctl.errors import InvalidInput
 
 vm_app = typer.Typer(help="Virtual machines with vGPUs.", no_args_is_help=True)
@@ -70,6 +71,7 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
                                            help="Preempt lower-priority preemptible VMs if it does not fit "
                                                 "(default: as its class's policy says); with --dry-run, show them."),
               queue: bool = typer.Option(False, "--queue", help="Wait in the queue if it does not fit."),
+              queue_deadline: str = typer.Option(None, help="With --queue, wait at most this long (e.g. 2h)."),
               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Request a VM with vGPUs: place, claim, create devices, define and start it."""
     fmt = out_format(as_json, output)
@@ -82,7 +84,9 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
         return c.request_vm(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
                             memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                             anti_affinity=anti_affinity, idempotency_key=idempotency_key, template=template,
-                            dry_run=dry_run, priority=priority, preempt=preempt, queue=queue)
+                            dry_run=dry_run, priority=priority, preempt=preempt, queue=queue,
+                            queue_deadline_s=None if queue_deadline is None else
+                            parse_duration("queue-deadline", queue_deadline))
 
     out = run(fmt, go)
     if machine(fmt):

@@ -475,7 +475,8 @@ class Controller:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[False] = False, provision: bool = True,
-                   priority: str | None = None, preempt: bool | None = None, queue: Literal[False] = False) -> VmInfo:
+                   priority: str | None = None, preempt: bool | None = None, queue: Literal[False] = False,
+                   queue_deadline_s: float | None = None) -> VmInfo:
         ...
 
     @overload
@@ -484,7 +485,7 @@ class Controller:
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[False] = False, provision: bool = True,
                    priority: str | None = None, preempt: bool | None = None,
-                   queue: Literal[True]) -> VmInfo | ops.OperationInfo:
+                   queue: Literal[True], queue_deadline_s: float | None = None) -> VmInfo | ops.OperationInfo:
         ...
 
     @overload
@@ -492,7 +493,8 @@ class Controller:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[True], provision: bool = True,
-                   priority: str | None = None, preempt: bool | None = None, queue: bool = False) -> Placement:
+                   priority: str | None = None, preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> Placement:
         ...
 
     @overload
@@ -501,7 +503,8 @@ class Controller:
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False,
                    provision: bool = True, priority: str | None = None, preempt: bool | None = None,
-                   queue: bool = False) -> VmInfo | Placement | ops.OperationInfo:
+                   queue: bool = False,
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement | ops.OperationInfo:
         ...
 
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
@@ -509,12 +512,14 @@ class Controller:
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False,
                    provision: bool = True, priority: str | None = None, preempt: bool | None = None,
-                   queue: bool = False) -> VmInfo | Placement | ops.OperationInfo:
+                   queue: bool = False,
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement | ops.OperationInfo:
         """Place a VM with vGPUs and claim them in one transaction; then (unless dry_run) create its devices
         and domain. Returns VmInfo, or a Placement with dry_run. QuotaExceeded / NoCapacity explain a refusal.
         `priority` names its priority class; when nothing fits, lower-priority preemptible VMs are preempted if
         `preempt` (None: as the class's policy says), and with `queue` the request waits (the pending operation
-        is returned) instead of being refused. See service.scheduling."""
+        is returned) instead of being refused, for at most `queue_deadline_s` seconds if given. See
+        service.scheduling."""
         if isinstance(vgpus, str):
             vgpus = [VgpuRequest(vgpus, 1)]
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
@@ -524,6 +529,9 @@ class Controller:
         if not dry_run:
             self._writer("vm create")
         req.validate()
+        if queue_deadline_s is not None:
+            from vgpu_ctl.service.scheduling import check_deadline
+            check_deadline(queue_deadline_s)
         if template is not None:  # before the claim: a bad name changes nothing
             self.hosts.renderer.check_template(template)
         try:
@@ -533,7 +541,7 @@ class Controller:
                 raise
             self._record_refusal(req, exc)
             from vgpu_ctl.service.scheduling import after_refusal
-            retried = after_refusal(self, req, exc, preempt, queue)
+            retried = after_refusal(self, req, exc, preempt, queue, queue_deadline_s)
             if isinstance(retried, ops.OperationInfo):
                 return retried
             claimed = retried

@@ -669,18 +669,19 @@ def _enqueue(conn: Connection, principal: Principal, tenant_id: int, request: Ma
     return op_id
 
 
-def _drop_queued(conn: Connection, op_id: str, why: str) -> None:
-    """End a queued operation as failed with `why`."""
+def _drop_queued(conn: Connection, op_id: str, why: str, code: str = "cancelled") -> None:
+    """End a queued operation as failed with `why` (error code `code`)."""
     now = utcnow()
     conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == "pending")
                  .values(state="failed", lease_holder=None, updated_at=now, finished_at=now,
-                         error={"code": "cancelled", "message": why, "reasons": []}))
+                         error={"code": code, "message": why, "reasons": []}))
 
 
-def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None = None) -> str:
-    """Queue a refused request as a pending operation with the reason it waits (and whether it may preempt when
-    tried again: `preempt` as `request_vm` takes it); its id."""
-    request = {"preempt": preempt, "tenant": req.tenant, "name": req.name,
+def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None = None,
+            deadline: float | None = None) -> str:
+    """Queue a refused request as a pending operation with the reason it waits (whether it may preempt when
+    tried again: `preempt` as `request_vm` takes it; until when it may wait: `deadline`, epoch seconds); its id."""
+    request = {"preempt": preempt, "deadline": deadline, "tenant": req.tenant, "name": req.name,
                "vgpus": [{"profile": v.profile, "count": v.count} for v in req.vgpus], "vcpus": req.vcpus,
                "memory_mib": req.memory_mib, "pool": req.pool, "labels": dict(req.labels),
                "anti_affinity": req.anti_affinity, "template": req.template, "priority": req.priority}
@@ -736,6 +737,7 @@ def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[d
         out.append({"position": pos, "operation": r.id, "tenant": names.get(r.tenant_id), "name": r.request["name"],
                     "priority_class": cls.name or None, "priority": cls.value, "fairshare": round(factor, 6),
                     "since": r.created_at.isoformat(), "requeued": bool(r.request.get("requeued")),
+                    "deadline": r.request.get("deadline"),
                     "vm_id": r.vm_id, "reason": why})
     return out
 
@@ -754,6 +756,12 @@ def admit_queued(ctl: Controller) -> list[str]:
         wait_s = settings(conn)["grace_s"] + PREEMPTION_SLACK_S
     for row, cls, _f in order:
         q = dict(row.request)
+        if q.get("deadline") is not None and time.time() > float(q["deadline"]):
+            with ctl.tx() as conn:
+                _drop_queued(conn, row.id, f"VM {q['name']!r} waited past its queue deadline", "deadline")
+                record(conn, ctl.principal.actor, "vm.dequeue", f"operation:{row.id}", tenant=q["tenant"],
+                       params={"name": q["name"], "reason": "deadline"})
+            continue
         if row.vm_id is not None and q.get("requeued"):
             with ctl.engine.connect() as conn:
                 still = conn.execute(select(VM.c.state, VM.c.lease_holder).where(VM.c.id == row.vm_id)).first()
@@ -861,8 +869,16 @@ def preemption_counts(conn: Connection) -> dict[tuple[str, str], int]:
 
 # -- the request path -------------------------------------------------------------------------------------------
 
+def check_deadline(seconds: object) -> float:
+    """A queue deadline if it is a positive number of seconds (at most a year); InvalidInput naming the field."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= 366 * 86400:
+        raise InvalidInput(f"queue_deadline must be a number of seconds from 1 to a year (field queue_deadline, "
+                           f"value {seconds!r})", reasons=[{"field": "queue_deadline", "value": seconds}])
+    return float(seconds)
+
+
 def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None,
-                  queue: bool) -> Any:
+                  queue: bool, deadline_s: float | None = None) -> Any:
     """What `request_vm` does with a refused request: for a lack of capacity, preempt (as asked, else as the
     class's policy says) and claim again; if it still does not fit and `queue`, queue it (the pending operation
     is returned). Otherwise the refusal is raised again. Returns what the claim returns."""
@@ -884,7 +900,7 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
             except Refused as again:
                 exc = again
     if queue:
-        op_id = enqueue(ctl, req, exc, preempt)
+        op_id = enqueue(ctl, req, exc, preempt, None if deadline_s is None else time.time() + deadline_s)
         with ctl.engine.connect() as conn:
             return get_operation(conn, ctl.principal, op_id)
     raise exc
