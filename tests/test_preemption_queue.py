@@ -118,3 +118,14 @@ def test_cli_queue_deadline_bad_input(cli: Cli) -> None:
     assert op["state"] == "pending"
     (waiting,) = cli.json("queue")
     assert waiting["operation"] == op["id"] and waiting["deadline"] == pytest.approx(time.time() + 7200, abs=60)
+
+
+def test_cli_queue_by_tenant(cli: Cli) -> None:
+    cli.json("tenant", "create", "beta")
+    args = ["--profile", "A100-80GB", "--vcpus", "4", "--memory", "8GiB", "--pool", "training", "--queue"]
+    cli.json("vm", "create", "--tenant", "acme", "--name", "a", *args)
+    cli.json("vm", "create", "--tenant", "acme", "--name", "b", *args)
+    cli.json("vm", "create", "--tenant", "beta", "--name", "c", *args)
+    assert [(q["name"], q["position"]) for q in cli.json("queue", "--tenant", "acme")] == [("b", 2)]
+    assert [q["name"] for q in cli.json("queue")] == ["c", "b"]  # beta has used nothing: fair share first
+    assert cli.json("queue", "--tenant", "nobody", code=4)["error"]["code"] == "not_found"

@@ -176,17 +176,21 @@ def share(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     print_table(table, fmt)
 
 
-def queue(admit: bool = typer.Option(False, "--admit", help="Try to admit what waits now."),
+def queue(tenant: str = typer.Option(None, help="Only this tenant's requests (positions stay the queue's)."),
+          admit: bool = typer.Option(False, "--admit", help="Try to admit what waits now."),
           cancel: str = typer.Option(None, "--cancel", help="Take this queued operation out of the queue."),
           as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """What waits for capacity, in admission order (priority, then fair share, then age), and why."""
     fmt = out_format(as_json, output)
 
     def go(c: Any) -> Any:
+        if tenant is not None:
+            c.scheduling.tenant(tenant)  # NotFound for a tenant the caller can't see
         if cancel is not None:
             c.scheduling.cancel(cancel)
         admitted = c.scheduling.admit() if admit else []
-        return {"admitted": admitted, "queue": c.scheduling.queue()}
+        rows = [r for r in c.scheduling.queue() if tenant is None or r["tenant"] == tenant]
+        return {"admitted": admitted, "queue": rows}
 
     out = run(fmt, go)
     if machine(fmt):
