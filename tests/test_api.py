@@ -728,6 +728,33 @@ def test_nul_characters_are_400_naming_the_field(srv: ApiServer, http: Any) -> N
     assert snapshot(srv) == before
 
 
+def test_a_bug_is_a_500_problem_and_a_body_passes_on_whole() -> None:
+    """The outermost layer turns an exception into a problem (the server would drop the connection) and hands
+    the body it read to check it on unchanged."""
+    import asyncio
+
+    from vgpu_ctl.server.app import Guard
+    seen: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        seen.append(message["body"])
+        if scope["path"] == "/boom":
+            raise RuntimeError("a bug")
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=Guard(app)), base_url="http://t") as c:
+            return (await c.post("/boom", json={"a": "b"}), await c.post("/fine", json={"x": [1, "y"]}))
+
+    boom, fine = asyncio.run(run())
+    p = problem_of(boom, 500, "internal")
+    assert "RuntimeError" in p["detail"] and "a bug" not in p["detail"]
+    assert fine.status_code == 204
+    assert seen == [b'{"a":"b"}', b'{"x":[1,"y"]}']
+
+
 @pytest.mark.postgres
 def test_nul_characters_are_400_on_postgresql(tmp_path: Path) -> None:
     """PostgreSQL refuses NUL in text: each of these was a 500 there."""

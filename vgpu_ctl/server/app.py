@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vgpu_ctl.errors import VgpuCtlError
 
 from . import routes_admin, routes_vms
 from .deps import principal_of, runtime
-from .idempotent import idempotency_middleware
+from .idempotent import IdempotencyKeys
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
 from .runtime import Runtime
 
@@ -81,32 +83,80 @@ def _nul_in(value: Any, where: str) -> str | None:
     return None
 
 
-async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """The outermost layer: 400 for a NUL character anywhere in the path, the query or a JSON body (no name,
-    profile or label holds one, and PostgreSQL can't store one: it was a 500 there), and a bug's exception
-    as a 500 problem, logged (caught here, it does not reach the server, which would drop the connection)."""
-    field: str | None = None
-    if "\x00" in request.scope["path"]:
-        field = "path"
-    for k, v in request.query_params.multi_items():
-        if field is None and ("\x00" in k or "\x00" in v):
-            field = k
-    if field is None and request.method in ("POST", "PUT", "PATCH") \
-            and request.headers.get("content-type", "").startswith("application/json"):
-        body = await request.body()
-        if b"\\u0000" in body or b"\x00" in body:
-            try:
-                field = _nul_in(json.loads(body), "") or "body"
-            except ValueError:
-                field = "body"
-    if field is not None:
-        return problem(400, "invalid", f"{field} holds a NUL character (\\u0000), which no value may hold",
-                       [{"field": field, "problem": "NUL character"}])
-    try:
-        return await call_next(request)
-    except Exception as exc:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return problem(500, "internal", f"the server failed ({type(exc).__name__}); it is logged, please report it")
+class Guard:
+    """The outermost layer, plain ASGI (cheaper than a BaseHTTPMiddleware): 400 for a NUL character anywhere
+    in the path, the query or a JSON body (no name, profile or label holds one, and PostgreSQL can't store
+    one: it was a 500 there), and a bug's exception as a logged 500 problem (caught here, it does not reach
+    the server, which would drop the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the request, then pass it on."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        field: str | None = "path" if "\x00" in scope["path"] else None
+        query = scope.get("query_string", b"")
+        if field is None and b"%00" in query:
+            field = next((k for k, v in parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+                          if "\x00" in k or "\x00" in v), "query")
+        headers = dict(scope.get("headers") or [])
+        if field is None and scope["method"] in ("POST", "PUT", "PATCH") \
+                and headers.get(b"content-type", b"").startswith(b"application/json"):
+            body, receive = await _buffered(receive)
+            if b"\\u0000" in body or b"\x00" in body:
+                try:
+                    field = _nul_in(json.loads(body), "") or "body"
+                except ValueError:
+                    field = "body"
+        if field is not None:
+            await problem(400, "invalid", f"{field} holds a NUL character (\\u0000), which no value may hold",
+                          [{"field": field, "problem": "NUL character"}])(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+            if started:  # too late for a problem: the server ends the response
+                raise
+            await problem(500, "internal", f"the server failed ({type(exc).__name__}); it is logged, please "
+                          "report it")(scope, receive, send)
+
+
+async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
+    """The whole request body, and a `receive` that hands it on again."""
+    chunks: list[bytes] = []
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away: pass that on as it came
+            return b"".join(chunks), _once(message, receive)
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    return body, _once({"type": "http.request", "body": body, "more_body": False}, receive)
+
+
+def _once(first: Message, receive: Receive) -> Receive:
+    """A `receive` that gives `first`, then what `receive` gives."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return first
+        return await receive()
+    return replay
 
 
 def _problem_schema(app: FastAPI) -> dict[str, Any]:
@@ -150,8 +200,8 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
     app = FastAPI(title="vgpu-ctl", version=__version__, lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None,
                   description="Pools of virtual GPUs on KVM hosts, handed to tenants' VMs under quotas.")
-    app.middleware("http")(idempotency_middleware)
-    app.middleware("http")(guard)  # added last: runs first
+    app.add_middleware(IdempotencyKeys)
+    app.add_middleware(Guard)  # added last: runs first
 
     def openapi() -> dict[str, Any]:
         """The OpenAPI document, built once (see _problem_schema)."""

@@ -12,6 +12,8 @@ from urllib.parse import urlencode
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.service import idempotency as idem
@@ -99,3 +101,20 @@ async def idempotency_middleware(request: Request,
     await run_in_threadpool(end)
     return Response(raw, status_code=response.status_code, headers=dict(response.headers),
                     media_type=response.media_type)
+
+
+class IdempotencyKeys:
+    """The Idempotency-Key layer, plain ASGI: a POST with the header goes through idempotency_middleware,
+    every other request straight on (without the cost of a BaseHTTPMiddleware)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.keyed = BaseHTTPMiddleware(app, dispatch=idempotency_middleware)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route the request by its method and headers."""
+        if scope["type"] == "http" and scope["method"] == "POST" \
+                and any(k == b"idempotency-key" for k, _ in scope.get("headers") or []):
+            await self.keyed(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
