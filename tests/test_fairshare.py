@@ -175,3 +175,11 @@ def test_cli_share_accounts_and_half_life(cli: Cli) -> None:
     assert [r["name"] for r in cli.json("share")] == ["beta", "research", "acme", "ml"]
     assert cli.json("account", "delete", "research", code=5)["error"]["code"] == "conflict"
     assert math.isfinite(cli.json("scheduling", "show")["grace_s"])
+
+
+def test_an_account_and_a_tenant_may_share_a_name(cli: Cli) -> None:
+    cli.json("account", "set", "acme", "--shares", "2")
+    cli.json("tenant", "set", "acme", "--account", "acme")
+    rows = cli.json("share")
+    assert [(r["name"], r["kind"], r["parent"]) for r in rows] == [("acme", "account", None),
+                                                                   ("acme", "tenant", "acme")]

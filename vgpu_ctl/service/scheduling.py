@@ -89,6 +89,10 @@ PREEMPTION_SLACK_S = 300.0
 """How long past the grace period a requeued victim that still holds its devices is waited for (its preemption
 is still running) before its queued request is dropped as a preemption that never happened."""
 
+ACCOUNT_KEY = "account:"
+"""The prefix of accounts' nodes in the share tree (a tenant and an account may have the same name; tenant names
+hold no ':')."""
+
 COMPACT_AT = 256
 """Closed usage intervals are folded into the tenants' ledgers once there are this many."""
 
@@ -402,14 +406,20 @@ def share_tree(conn: Connection, catalog: Any, now: float | None = None) -> tupl
     half_life = settings(conn)["half_life_s"]
     raw = usages(conn, now, half_life)
     fleet_fb, fleet_compute = fleet_capacity(conn, catalog)
-    members = [Member(r.name, r.parent, int(r.shares), account=True) for r in conn.execute(select(ACCOUNT))]
+    # Accounts and tenants are separate namespaces: accounts' nodes are keyed ACCOUNT_KEY + name in the tree.
+    members = [Member(ACCOUNT_KEY + r.name, ACCOUNT_KEY + r.parent if r.parent else None, int(r.shares),
+                      account=True) for r in conn.execute(select(ACCOUNT))]
     names = {}
     for t in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name, TSCHED.c.shares, TSCHED.c.account)
                           .outerjoin(TSCHED, TSCHED.c.tenant_id == alloc.TENANT.c.id)):
         names[t.id] = t.name
-        members.append(Member(t.name, t.account, int(t.shares or 1),
+        members.append(Member(t.name, ACCOUNT_KEY + t.account if t.account else None, int(t.shares or 1),
                               dominant(raw.get(t.id, Usage()), fleet_fb, fleet_compute)))
     return fair_tree(members), {tid: raw[tid] for tid in raw if tid in names}
+
+
+def _plain(key: str | None) -> str | None:
+    return key.removeprefix(ACCOUNT_KEY) if key is not None else None
 
 
 def share_report(conn: Connection, catalog: Any, principal: Principal,
@@ -424,7 +434,7 @@ def share_report(conn: Connection, catalog: Any, principal: Principal,
         if principal.tenant is not None and (r.account or r.name != principal.tenant):
             continue
         u = raw.get(ids.get(r.name, -1), Usage()) if not r.account else None
-        out.append({"name": r.name, "kind": "account" if r.account else "tenant", "parent": r.parent,
+        out.append({"name": _plain(r.name), "kind": "account" if r.account else "tenant", "parent": _plain(r.parent),
                     "depth": r.depth, "shares": r.shares, "norm_shares": round(r.norm_shares, 6),
                     "usage": round(r.usage, 6), "norm_usage": round(r.norm_usage, 6),
                     "fb_gib_hours": round(u.fb_gib_h, 6) if u else None,
