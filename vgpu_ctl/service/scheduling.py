@@ -89,9 +89,9 @@ PREEMPTION_SLACK_S = 300.0
 """How long past the grace period a requeued victim that still holds its devices is waited for (its preemption
 is still running) before its queued request is dropped as a preemption that never happened."""
 
-ACCOUNT_KEY = "account:"
-"""The prefix of accounts' nodes in the share tree (a tenant and an account may have the same name; tenant names
-hold no ':')."""
+ACCOUNT_KEY = "@account"
+"""The suffix of accounts' nodes in the share tree (a tenant and an account may have the same name; names hold no
+'@'; ties between siblings still go by the plain name)."""
 
 COMPACT_AT = 256
 """Closed usage intervals are folded into the tenants' ledgers once there are this many."""
@@ -406,20 +406,20 @@ def share_tree(conn: Connection, catalog: Any, now: float | None = None) -> tupl
     half_life = settings(conn)["half_life_s"]
     raw = usages(conn, now, half_life)
     fleet_fb, fleet_compute = fleet_capacity(conn, catalog)
-    # Accounts and tenants are separate namespaces: accounts' nodes are keyed ACCOUNT_KEY + name in the tree.
-    members = [Member(ACCOUNT_KEY + r.name, ACCOUNT_KEY + r.parent if r.parent else None, int(r.shares),
+    # Accounts and tenants are separate namespaces: accounts' nodes are keyed name + ACCOUNT_KEY in the tree.
+    members = [Member(r.name + ACCOUNT_KEY, r.parent + ACCOUNT_KEY if r.parent else None, int(r.shares),
                       account=True) for r in conn.execute(select(ACCOUNT))]
     names = {}
     for t in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name, TSCHED.c.shares, TSCHED.c.account)
                           .outerjoin(TSCHED, TSCHED.c.tenant_id == alloc.TENANT.c.id)):
         names[t.id] = t.name
-        members.append(Member(t.name, ACCOUNT_KEY + t.account if t.account else None, int(t.shares or 1),
+        members.append(Member(t.name, t.account + ACCOUNT_KEY if t.account else None, int(t.shares or 1),
                               dominant(raw.get(t.id, Usage()), fleet_fb, fleet_compute)))
     return fair_tree(members), {tid: raw[tid] for tid in raw if tid in names}
 
 
 def _plain(key: str | None) -> str | None:
-    return key.removeprefix(ACCOUNT_KEY) if key is not None else None
+    return key.removesuffix(ACCOUNT_KEY) if key is not None else None
 
 
 def share_report(conn: Connection, catalog: Any, principal: Principal,
