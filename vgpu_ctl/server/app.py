@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vgpu_ctl.errors import VgpuCtlError
 
 from . import routes_admin, routes_vms
-from .deps import principal_of, runtime
+from .deps import IDEMPOTENCY_KEY, principal_of, runtime
 from .idempotent import IdempotencyKeys
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
 from .runtime import Runtime
@@ -177,6 +177,8 @@ def _problem_schema(app: FastAPI) -> dict[str, Any]:
                     resp["content"] = {PROBLEM_TYPE: typed[0]}
             if path not in ANONYMOUS:
                 op["security"] = [{"bearer": []}]
+            if op is item.get("post"):  # the Idempotency-Key layer serves every POST
+                op["parameters"] = [*op.get("parameters", []), dict(IDEMPOTENCY_KEY)]
     components = schema.setdefault("components", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(unused, None)

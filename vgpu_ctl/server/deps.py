@@ -6,6 +6,7 @@ import asyncio
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -74,6 +75,18 @@ def writer(request: Request) -> Controller:
 def etag(generation: int) -> str:
     """The ETag of an object at `generation`."""
     return f'"{generation}"'
+
+
+# The headers the routes read themselves, declared in the OpenAPI document (`openapi_extra` of a route).
+IF_MATCH: dict[str, Any] = {"parameters": [{
+    "name": "If-Match", "in": "header", "required": False,
+    "description": "The ETag the caller read (or *): 412, nothing changed, if the object has changed since",
+    "schema": {"type": "string", "pattern": r'^\s*(\*|(W/)?"[0-9]{1,18}")\s*$', "examples": ['"3"']}}]}
+IDEMPOTENCY_KEY: dict[str, Any] = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "description": "A retry with the same key gets the stored response (same key, other request: 422; still "
+                   "being answered: 409); per caller, kept for the server's idempotency_ttl_s",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255}}
 
 
 def if_match(request: Request) -> int | None:

@@ -13,7 +13,7 @@ from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.ops.events import list_events
 from vgpu_ctl.ops.status import fleet_status
 
-from .deps import controller, etag, if_match, principal_of, writer
+from .deps import IF_MATCH, controller, etag, if_match, principal_of, writer
 from .problems import problem_responses
 from .schemas import (
     NAME_PATTERN,
@@ -128,7 +128,8 @@ def get_tenant(request: Request, response: Response, name: str = TENANT) -> dict
     return out
 
 
-@router.delete("/tenants/{name}", status_code=204, summary="Delete a tenant", responses=_WRITE)
+@router.delete("/tenants/{name}", status_code=204, summary="Delete a tenant", responses=_WRITE,
+               openapi_extra=IF_MATCH)
 def delete_tenant(request: Request, name: str = TENANT) -> Response:
     """Remove a tenant that has no VMs; `If-Match` guards against a stale read."""
     writer(request).delete_tenant(name, if_generation=if_match(request))
@@ -158,7 +159,8 @@ def get_quota(request: Request, response: Response, name: str = TENANT) -> list[
     return quota
 
 
-@router.put("/tenants/{name}/quota", summary="Set a tenant's limits", responses={**_ETAG, **_WRITE})
+@router.put("/tenants/{name}/quota", summary="Set a tenant's limits", responses={**_ETAG, **_WRITE},
+            openapi_extra=IF_MATCH)
 def set_quota(request: Request, body: QuotaSet, response: Response, name: str = TENANT) -> dict[str, Any]:
     """Set or clear limits; `If-Match` (the tenant's ETag) guards against a stale read."""
     ctl = writer(request)

@@ -11,7 +11,7 @@ from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.operations import OperationInfo
 from vgpu_ctl.service.requests import Placement, VmInfo
 
-from .deps import controller, etag, if_match, principal_of, runtime, wait_done, wait_seconds, writer
+from .deps import IF_MATCH, controller, etag, if_match, principal_of, runtime, wait_done, wait_seconds, writer
 from .problems import problem_of, problem_responses
 from .schemas import StopVm, VmCreate, VmPage
 
@@ -127,7 +127,7 @@ def vm_xml(request: Request, ref: str = REF) -> str:
 
 
 @router.post("/vms/{ref}/stop", summary="Stop a running VM", response_model=VmInfo,
-             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
+             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)}, openapi_extra=IF_MATCH)
 def stop_vm(request: Request, response: Response, ref: str = REF, body: StopVm | None = None) -> VmInfo:
     """Shut the VM down (its vGPUs stay claimed); `If-Match` guards against a stale read."""
     vm = writer(request).stop_vm(ref, force=bool(body and body.force), if_generation=if_match(request))
@@ -136,7 +136,7 @@ def stop_vm(request: Request, response: Response, ref: str = REF, body: StopVm |
 
 
 @router.post("/vms/{ref}/start", summary="Start a stopped VM", response_model=VmInfo,
-             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)})
+             responses={200: {"headers": _ETAG}, **_WRITE, **problem_responses(502)}, openapi_extra=IF_MATCH)
 def start_vm(request: Request, response: Response, ref: str = REF) -> VmInfo:
     """Start the VM; `If-Match` guards against a stale read."""
     vm = writer(request).start_vm(ref, if_generation=if_match(request))
@@ -148,7 +148,7 @@ def start_vm(request: Request, response: Response, ref: str = REF) -> VmInfo:
                response_model=OperationInfo, responses={
                    202: {"description": "Accepted: the operation, pending", "headers": _LOCATION},
                    200: {"model": OperationInfo, "description": "Deleted (with ?wait, once done within it)"},
-                   **_LONG})
+                   **_LONG}, openapi_extra=IF_MATCH)
 async def delete_vm(request: Request, ref: str = REF,
                     wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept the VM's deletion as an operation (202, `Location`); with `?wait=`, 200 once done."""
