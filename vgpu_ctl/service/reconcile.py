@@ -39,6 +39,9 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
         devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id)
                                .where(alloc.DEVICE.c.backing != "pci")).all()  # passthrough: nothing to lose
     store_uuids = {d.uuid: d.vm_id for d in devices}
+    uuids_of: dict[str, set[str]] = {}  # per VM, its devices' uuids (grouped once, not scanned once per VM)
+    for dev in devices:
+        uuids_of.setdefault(dev.vm_id, set()).add(dev.uuid)
     vm_ids = {v.id for v in vms}
     vms_on: dict[int, list[Any]] = {}  # by host: one pass over the VMs, not one per host
     for v in vms:
@@ -90,8 +93,8 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
         for vm in vms_on.get(host.id, ()):
-            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, store_uuids, fix,
-                                             {d.name for d in domains if d.active}))
+            report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, uuids_of.get(vm.id, set()),
+                                             fix, {d.name for d in domains if d.active}))
     if fix and report.findings:
         with ctl.tx() as conn:
             record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
@@ -108,9 +111,8 @@ def _roll_back(ctl: Controller, vm: Any) -> None:
 
 
 def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_uuids: set[str],
-              store_uuids: dict[str, str], fix: bool, running: set[str] | None = None) -> list[Finding]:
+              mine: set[str], fix: bool, running: set[str] | None = None) -> list[Finding]:
     name = domain_name(vm)
-    mine = {u for u, owner in store_uuids.items() if owner == vm.id}
     def finding(kind: str, detail: str, action: str, repair: Callable[[], object]) -> list[Finding]:
         f = Finding(kind, host.name, f"vm:{vm.id}", detail, action=action)
         if fix:
