@@ -313,3 +313,24 @@ def test_cool_down_runs_from_readmission_and_can_be_off(ctl: Controller) -> None
     assert row["protected_until"] == pytest.approx(row["admitted_at"])  # from its re-admission, 0 s long
     assert whole(ctl, "beta", "again", priority="prod").state == "running"  # no cool-down: preempted again
     assert [q["name"] for q in ctl.scheduling.queue()] == ["train"]
+
+
+def test_tenants_see_their_side_only(ctl: Controller) -> None:
+    classes(ctl)
+    low = whole(ctl, "acme", "train", priority="batch")
+    url = ctl.engine.url.render_as_string(hide_password=False)
+    beta_token, acme_token = ctl.issue_token("beta"), ctl.issue_token("acme")
+    with Controller(url, token=beta_token, state_path=ctl.state_path) as beta:
+        plan = beta.scheduling.preview("beta", "serve", [(WHOLE, 1)], vcpus=4, memory_mib=8192, pool="training",
+                                       priority="prod")
+        (v,) = plan.victims
+        assert (v.vm_id, v.tenant, v.name, v.devices, v.priority) == ("", "(another tenant)", "", (), 10)
+        assert low.id not in str(plan.to_dict())
+        whole(beta, "beta", "serve", priority="prod")
+        leaks = [e for e in beta.events() if low.id in str(e) or "'train'" in str(e)]
+        assert leaks == []  # the preemptor does not learn whom it preempted
+    with Controller(url, token=acme_token, state_path=ctl.state_path) as acme:
+        (mine,) = [e for e in acme.events() if e["action"] == "vm.preempted"]
+        assert mine["params"]["preemptor_priority"] == 1000 and "serve" not in str(mine)
+        assert [q["name"] for q in acme.scheduling.queue()] == ["train"]
+    assert any(e["action"] == "vm.preempt" for e in ctl.events())  # the admin sees the whole story

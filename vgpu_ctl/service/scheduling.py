@@ -626,8 +626,8 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
         host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
         conf = settings(conn)
     result = PreemptionPlan(cls.name or None, cls.value, pool.name, host_name, victims, reason)
-    with ctl.tx() as conn:
-        record(conn, ctl.principal.actor, "vm.preempt", f"vm:{req.tenant}/{req.name}", tenant=req.tenant,
+    with ctl.tx() as conn:  # the whole story for the admin; each tenant sees only its own side (below)
+        record(conn, ctl.principal.actor, "vm.preempt", f"vm:{req.tenant}/{req.name}", tenant=None,
                params={"preemptor": {"tenant": req.tenant, "name": req.name, "priority_class": cls.name or None,
                                      "priority": cls.value},
                        "victims": [v.to_dict() for v in victims], "reason": reason, "pool": pool.name,
@@ -656,13 +656,13 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
                     _drop_queued(conn, op_id, f"the preemption of VM {v.name!r} failed: {exc.message}")
                 record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
                        params={"name": v.name, "mode": v.mode, "reason": reason,
-                               "preemptor": f"{req.tenant}/{req.name}", "priority": cls.value},
+                               "preemptor_class": cls.name or None, "preemptor_priority": cls.value},
                        result="failed", error=exc.message)
             continue
         with ctl.tx() as conn:
             record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
                    params={"name": v.name, "mode": v.mode, "reason": reason, "forced": forced,
-                           "preemptor": f"{req.tenant}/{req.name}", "priority": cls.value})
+                           "preemptor_class": cls.name or None, "preemptor_priority": cls.value})
     return result
 
 
@@ -1031,7 +1031,14 @@ class Scheduling:
         req = VmRequest(tenant, name, tuple(VgpuRequest(p, n) for p, n in vgpus), vcpus, memory_mib, pool,
                         dict(labels or {}), anti_affinity, priority=priority)
         req.validate()
-        return preview(self.ctl, req)
+        plan = preview(self.ctl, req)
+        me = self.ctl.principal.tenant
+        if me is None:
+            return plan
+        # a tenant learns that other tenants' VMs would go (and at which priority), not which
+        hidden = tuple(v if v.tenant == me else Victim("", "(another tenant)", "", "", v.priority_class, v.priority,
+                                                       v.mode, ()) for v in plan.victims)
+        return PreemptionPlan(plan.priority_class, plan.priority, plan.pool, plan.host, hidden, plan.reason)
 
     def preemption_counts(self) -> dict[tuple[str, str], int]:
         """Preemptions so far by (reason, mode)."""
