@@ -12,6 +12,7 @@ from urllib.parse import parse_qsl
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -84,10 +85,11 @@ def _nul_in(value: Any, where: str) -> str | None:
 
 
 class Guard:
-    """The outermost layer, plain ASGI (cheaper than a BaseHTTPMiddleware): 400 for a NUL character anywhere
-    in the path, the query or a JSON body (no name, profile or label holds one, and PostgreSQL can't store
-    one: it was a 500 there), and a bug's exception as a logged 500 problem (caught here, it does not reach
-    the server, which would drop the connection)."""
+    """The outermost layer, plain ASGI (cheaper than a BaseHTTPMiddleware): the caller's token first (401
+    before anything is read of the request, but on /healthz, and /metrics, which says itself who may read
+    it), then 400 for a NUL character anywhere in the path, the query or a JSON body (no name, profile or
+    label holds one, and PostgreSQL can't store one: it was a 500 there), and a bug's exception as a logged
+    500 problem (caught here, it does not reach the server, which would drop the connection)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -97,6 +99,15 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] not in ANONYMOUS and scope["path"] != "/metrics":
+            try:  # cached on the request's state, which the routes' own Request objects share
+                await run_in_threadpool(principal_of, Request(scope))
+            except VgpuCtlError as exc:
+                await problem_of(exc)(scope, receive, send)
+                return
+            except Exception as exc:
+                await self._failed(scope, receive, send, exc)
+                return
         field: str | None = "path" if "\x00" in scope["path"] else None
         query = scope.get("query_string", b"")
         if field is None and b"%00" in query:
@@ -125,11 +136,16 @@ class Guard:
         try:
             await self.app(scope, receive, sending)
         except Exception as exc:
-            log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
             if started:  # too late for a problem: the server ends the response
+                log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
                 raise
-            await problem(500, "internal", f"the server failed ({type(exc).__name__}); it is logged, please "
-                          "report it")(scope, receive, send)
+            await self._failed(scope, receive, send, exc)
+
+    @staticmethod
+    async def _failed(scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+        log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+        await problem(500, "internal", f"the server failed ({type(exc).__name__}); it is logged, please "
+                      "report it")(scope, receive, send)
 
 
 async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
