@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,12 @@ def inventory_apply(file: Path = typer.Argument(..., help="Inventory YAML file."
     kept = [c for c in changes if c["action"] == "keep"]
     if not made:
         console.print("no changes")
+    lines = []  # written at once, as plain text: 100k change lines through rich took seconds
     for ch in made:
         fields = ", ".join(f"{k}={v}" for k, v in ch.get("fields", {}).items())
-        console.print(f"{'would ' if dry_run else ''}{ch['action']} {ch['kind']} {ch['name']}"
-                      + (f": {fields}" if fields else ""), markup=False)
+        lines.append(f"{'would ' if dry_run else ''}{ch['action']} {ch['kind']} {ch['name']}"
+                     + (f": {fields}" if fields else "") + "\n")
+    sys.stdout.write("".join(lines))
     if kept:
         names = ", ".join(f"{c['kind']} {c['name']}" for c in kept)
         console.print(f"kept {len(kept)} not in the file ({names}); --prune removes them", markup=False)
