@@ -182,6 +182,10 @@ def test_catalog_pools_inventory_hosts(srv: ApiServer, http: Any) -> None:
     assert hosts == inv["hosts"]
     problem_of(http("acme").get("/v1/inventory"), 403, "permission_denied")
     problem_of(http("acme").get("/v1/hosts"), 403, "permission_denied")
+    r = admin.delete("/v1/pools")
+    problem_of(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == "GET"
+    problem_of(admin.get("/v1/no-such-thing"), 404, "not_found")
     p = problem_of(admin.get("/v1/profiles", params={"model": "no-such-gpu"}), 400, "catalog")
     assert p["reasons"] == [{"field": "model", "value": "no-such-gpu"}]
 
