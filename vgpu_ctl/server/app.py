@@ -240,7 +240,7 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
-        return problem(exc.status_code, code, str(exc.detail), headers=exc.headers)  # a 405's Allow
+        return problem(exc.status_code, code, str(exc.detail), headers=dict(exc.headers or {}))  # a 405's Allow
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(principal_of)])
     def openapi_document() -> JSONResponse:
