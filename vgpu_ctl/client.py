@@ -311,7 +311,8 @@ class Client:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
-                   preempt: bool | None = None, queue: bool = False) -> VmInfo:
+                   preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> VmInfo:
         ...
 
     @overload
@@ -319,7 +320,8 @@ class Client:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[True], priority: str | None = None,
-                   preempt: bool | None = None, queue: bool = False) -> Placement:
+                   preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> Placement:
         ...
 
     @overload
@@ -327,21 +329,23 @@ class Client:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False, priority: str | None = None,
-                   preempt: bool | None = None, queue: bool = False) -> VmInfo | Placement:
+                   preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement:
         ...
 
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False, priority: str | None = None,
-                   preempt: bool | None = None, queue: bool = False) -> VmInfo | Placement:
+                   preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement:
         """Request a VM and wait until it runs (its VmInfo) or is refused (QuotaExceeded, NoCapacity, ...,
         with the reasons); with dry_run, where it would go (a Placement), nothing claimed. `idempotency_key`
         is the VM's own (the same key twice gives the same VM), apart from the HTTP Idempotency-Key. The
-        scheduling options (`priority`, `preempt`, `queue`) are not served by the REST API: InvalidInput naming
-        the one given, nothing sent."""
+        scheduling options (`priority`, `preempt`, `queue`, `queue_deadline_s`) are not served by the REST API:
+        InvalidInput naming the one given, nothing sent."""
         for option, value, default in (("priority", priority, None), ("preempt", preempt, None),
-                                       ("queue", queue, False)):
+                                       ("queue", queue, False), ("queue_deadline_s", queue_deadline_s, None)):
             if value != default:
                 raise InvalidInput(f"{option} {value!r}: the server's API takes no scheduling options yet; request "
                                    "without it, or on the store's machine without --server",
