@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from vgpu_ctl.core.geometry import Misfit, Occupancy
 from vgpu_ctl.core.placement_types import (
@@ -95,6 +96,34 @@ def plan(req: PlacementRequest, hosts: Iterable[HostView], policy: Policy) -> Pl
     return best[1] if best else None
 
 
+@dataclass(frozen=True)
+class HostCandidate:
+    """One host as a ranking of a request sees it: its plan and score by the policy when the request fits there
+    (rank 1 is where it would go), else why not (explain's counts for the host's GPUs)."""
+
+    host: str
+    rank: int | None
+    score: Score | None
+    plan: PlacementPlan | None
+    refusal: Mapping[str, int]
+
+
+def rank_hosts(req: PlacementRequest, hosts: Sequence[HostView], policy: Policy) -> list[HostCandidate]:
+    """Every host ranked for the request: those it fits, best first by the policy's score (the first is what
+    `plan` chooses), then those it does not fit, by name, each with its reasons."""
+    fits: list[tuple[Score, int, HostView, PlacementPlan]] = []
+    others: list[HostCandidate] = []
+    for i, host in enumerate(hosts):
+        found = plan_on_host(host, req, policy) if host_admits(host, req) is None else None
+        if found is None:
+            others.append(HostCandidate(host.name, None, None, None, explain(req, [host])))
+        else:
+            fits.append((found[0], i, host, found[1]))
+    fits.sort(key=lambda f: (f[0], f[1]))
+    ranked = [HostCandidate(h.name, n, score, chosen, {}) for n, (score, _, h, chosen) in enumerate(fits, 1)]
+    return ranked + sorted(others, key=lambda c: c.host)
+
+
 def explain(req: PlacementRequest, hosts: Sequence[HostView]) -> dict[str, int]:
     """Why each GPU could not take the request, as counts of reason codes that add up to the GPUs considered:
     the material of a refusal (`describe_refusal` says it in words)."""
@@ -149,7 +178,8 @@ def _misfit_rank(m: Misfit) -> int:
 
 
 __all__ = [  # the placement API, with the types and policies it works with (their homes: placement_types, policies)
-    "POLICIES", "REFUSAL_WORDS", "CandidateOrder", "Demand", "DevicePlacement", "GpuView", "HostCostFn", "HostView",
-    "PlacementPlan", "PlacementRequest", "PlanCost", "Policy", "PolicyDef", "Score", "ScoreFn", "TaskShape",
-    "describe_refusal", "explain", "get_policy", "host_admits", "pack_policy", "plan", "plan_on_host",
+    "POLICIES", "REFUSAL_WORDS", "CandidateOrder", "Demand", "DevicePlacement", "GpuView", "HostCandidate",
+    "HostCostFn", "HostView", "PlacementPlan", "PlacementRequest", "PlanCost", "Policy", "PolicyDef", "Score",
+    "ScoreFn", "TaskShape", "describe_refusal", "explain", "get_policy", "host_admits", "pack_policy", "plan",
+    "plan_on_host", "rank_hosts",
 ]

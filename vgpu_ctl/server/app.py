@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vgpu_ctl.errors import VgpuCtlError
 
-from . import routes_admin, routes_vms
+from . import routes_admin, routes_candidates, routes_vms
 from .deps import IDEMPOTENCY_KEY, principal_of, runtime
 from .idempotent import IdempotencyKeys
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
@@ -276,6 +276,7 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
         return PlainTextResponse(dump(rt.server) + server_metrics(rt),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.include_router(routes_candidates.router)
     app.include_router(routes_vms.router)
     app.include_router(routes_admin.router)
     return app

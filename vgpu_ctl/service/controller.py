@@ -28,6 +28,7 @@ from vgpu_ctl.core.placement import (
     explain,
     get_policy,
     plan,
+    rank_hosts,
 )
 from vgpu_ctl.core.vm_state import PROVISIONING, VmState
 from vgpu_ctl.errors import (
@@ -555,6 +556,36 @@ class Controller:
         provision_vm(self, claimed.id, req.lease_holder)
         return self.get_vm(claimed.id)
 
+    def placement_candidates(self, tenant: str, vgpus: Sequence[VgpuRequest | tuple[str, int]], *, vcpus: int,
+                             memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                             anti_affinity: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The hosts of the pools that offer the request, ranked as each pool's policy would (rank 1: where it
+        goes; pools in the order a request tries them), with the positions each would give, then the hosts it
+        does not fit with why not, in an admin's words; at most `limit`. Nothing is claimed and quotas are not
+        applied (a dry run of request_vm says whether they allow it)."""
+        check_int("limit", limit, 1, 1000)
+        wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
+        req = VmRequest(tenant, "candidates", wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity)
+        req.validate()
+        fits: list[dict[str, Any]] = []
+        others: list[dict[str, Any]] = []
+        with self.engine.connect() as conn:
+            ask = self._ask(conn, req)
+            assert not isinstance(ask, str)  # no idempotency key was given
+            for p in ask.pools:
+                found = alloc.all_candidates(conn, self.catalog, [p.id], ask.profiles, req.anti_affinity,
+                                             ask.pool_names)
+                for c in rank_hosts(ask.preq, found.hosts, pool_policy(p.policy, p.demand)):
+                    row: dict[str, Any] = {
+                        "pool": p.name, "host": c.host, "rank": c.rank,
+                        "score": [round(x, 6) for x in c.score] if c.score is not None else None,
+                        "devices": [{"gpu": f"{c.host}/{found.pcis[d.gpu_id]}", "profile": d.profile,
+                                     "start": d.start, "size": d.size} for d in (c.plan.devices if c.plan else ())],
+                        "why_not": describe_refusal(c.refusal) if c.plan is None else None,
+                        "reasons": dict(c.refusal)}
+                    (fits if c.plan is not None else others).append(row)
+        return (fits + others)[:limit]
+
     def _made_by_key(self, req: VmRequest, vm_id: str, provision: bool) -> VmInfo:
         """The VM an earlier request with the same idempotency key made, as it is now: Conflict naming the key
         when that request asked for something else, or when the VM failed. A VM still being provisioned with
@@ -905,15 +936,22 @@ class Controller:
     def submit_vm_create(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]], *,
                          vcpus: int, memory_mib: int, pool: str | None = None,
                          labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
-                         idempotency_key: str | None = None, template: str | None = None, holder: str,
+                         idempotency_key: str | None = None, template: str | None = None,
+                         priority: str | None = None, preempt: bool | None = None, queue: bool = False,
+                         queue_deadline_s: float | None = None, holder: str,
                          lease_seconds: float) -> ops.OperationInfo:
         """Accept a VM request as an operation that `holder` (a worker pool) runs next; InvalidInput,
-        NotFound or PermissionDenied at once, nothing recorded, for a request that could never be served."""
+        NotFound or PermissionDenied at once, nothing recorded, for a request that could never be served (an
+        unknown or disallowed priority class, a bad queue deadline included). The scheduling options travel in
+        the operation's request to `request_vm`."""
         self._writer("vm create")
         wants = tuple(v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus)
         req = VmRequest(tenant, name, wants, vcpus, memory_mib, pool, dict(labels or {}), anti_affinity,
-                        idempotency_key, template)
+                        idempotency_key, template, priority=priority)
         req.validate()
+        from vgpu_ctl.service import scheduling
+        if queue_deadline_s is not None:
+            scheduling.check_deadline(queue_deadline_s)
         if template is not None:
             self.hosts.renderer.check_template(template)
         with self.tx() as conn:
@@ -921,10 +959,13 @@ class Controller:
             if pool is not None:
                 self._pool_row(conn, pool)
             self._check_profiles(conn, req, [], offers_too=False)
+            scheduling.resolve(conn, t_id, tenant, priority)  # an unknown or disallowed class: refused now
             request = {"tenant": tenant, "name": name, "vgpus": [{"profile": v.profile, "count": v.count}
                                                                  for v in wants],
                        "vcpus": vcpus, "memory_mib": memory_mib, "pool": pool, "labels": dict(labels or {}),
-                       "anti_affinity": anti_affinity, "idempotency_key": idempotency_key, "template": template}
+                       "anti_affinity": anti_affinity, "idempotency_key": idempotency_key, "template": template,
+                       "priority": priority, "preempt": preempt, "queue": queue,
+                       "queue_deadline_s": queue_deadline_s}
             return ops.submit(conn, self.principal, "vm.create", request, tenant_id=t_id, vm_id=None, holder=holder,
                               lease_seconds=lease_seconds)
 
