@@ -279,6 +279,26 @@ def test_errors_carry_the_cli_code_and_reasons(srv: ApiServer, http: Any) -> Non
     assert (p["code"], p["message"], p["reasons"]) == (cli["code"], cli["message"], cli["reasons"])
 
 
+def test_placement_candidates_are_ranked_and_the_first_is_the_dry_run(
+        srv: ApiServer, http: Any, templates: list[tuple[str, re.Pattern[str]]]) -> None:
+    if "POST /v1/placements/candidates" not in {name for name, _ in templates}:
+        pytest.skip("this server has no /v1/placements/candidates")
+    _name, client = new_tenant(srv, http)
+    before = snapshot(srv)
+    r = client.post("/v1/placements/candidates", json=VM_BODY)
+    assert r.status_code == 200, r.text
+    rows = r.json()
+    ranked = [c for c in rows if c["rank"] is not None]
+    assert ranked and ranked[0]["rank"] == 1 and all(c["why_not"] is None for c in ranked)
+    assert all(d["profile"] == "1g.10gb" for c in ranked for d in c["devices"])
+    dry = client.post("/v1/placements", json=VM_BODY).json()
+    assert (ranked[0]["pool"], ranked[0]["host"]) == (dry["pool"], dry["host"])
+    assert [d["gpu"] for d in ranked[0]["devices"]] == [d["gpu"] for d in dry["devices"]]
+    problem_of(client.post("/v1/placements/candidates", json={**VM_BODY, "tenant": "globex"}), 404, "not_found")
+    problem_of(client.post("/v1/placements/candidates", json={**VM_BODY, "vcpus": 0}), 400, "invalid")
+    assert snapshot(srv) == before
+
+
 # -- VMs and operations -----------------------------------------------------------------------------------------
 
 

@@ -163,6 +163,9 @@ def test_another_tenant_is_404_and_admin_commands_are_403_alike(world: dict[str,
                   globex.post("/v1/vms", json={**body, "tenant": "zz9"}, params={"wait": "5s"}), "acme", "zz9")
         _same_404(globex.post("/v1/placements", json=body),
                   globex.post("/v1/placements", json={**body, "tenant": "zz9"}), "acme", "zz9")
+        if "/v1/placements/candidates" in world["doc"]["paths"]:
+            _same_404(globex.post("/v1/placements/candidates", json=body),
+                      globex.post("/v1/placements/candidates", json={**body, "tenant": "zz9"}), "acme", "zz9")
     for method, url, kw in [("DELETE", "/v1/tenants/{t}", {}), ("POST", "/v1/tenants/{t}/token", {}),
                             ("DELETE", "/v1/tenants/{t}/token", {}),
                             ("PUT", "/v1/tenants/{t}/quota", {"json": {"limits": {"vms": 0}}})]:
