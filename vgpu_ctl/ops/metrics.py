@@ -117,7 +117,7 @@ def _events(conn: Connection) -> Iterator[Metric]:
 
 
 def collect_metrics(ctl: Controller) -> list[Metric]:
-    """Every metric family, read from the store in one transaction."""
+    """Every metric family, read from the store (the scheduling ones in a second transaction)."""
     with ctl.engine.connect() as conn:
         out: list[Metric] = [*_inventory(conn)]
         fits = GaugeMetricFamily(f"{PREFIX}_pool_profile_fits",
@@ -128,7 +128,8 @@ def collect_metrics(ctl: Controller) -> list[Metric]:
                 fits.add_metric([p["name"], profile], n)
         out.append(fits)
         out += [*_tenants(conn), *_events(conn)]
-    return out
+    from vgpu_ctl.service.scheduling_metrics import collect as scheduling_metrics
+    return out + scheduling_metrics(ctl)  # the queue's length and waits by class, preemptions by reason
 
 
 class StoreCollector:

@@ -44,6 +44,11 @@ def _operation_response(request: Request, info: OperationInfo) -> Response:
         resp = problem_of(error_from_dict(info.error))
         resp.headers["Location"] = location["Location"]
         return resp
+    if info.state == "succeeded" and info.kind == "vm.create" and info.result is not None \
+            and "queued" in info.result:  # it waits in the queue: 202 with the queued request's operation
+        queued = info.result["queued"]
+        return JSONResponse(queued, status_code=202, headers={"Location": f"/v1/operations/{queued['id']}",
+                                                              "Operation-Location": location["Location"]})
     if info.state == "succeeded" and info.kind == "vm.create" and info.result is not None:
         return JSONResponse(info.result, status_code=201, headers={
             "Location": f"/v1/vms/{info.result['id']}", "ETag": etag(int(info.result.get("generation", 0))),
@@ -68,7 +73,9 @@ def _accepting(request: Request) -> None:
 async def create_vm(request: Request, body: VmCreate,
                     wait: str | None = Query(None, description=WAIT_DOC)) -> Response:
     """Accept a VM request as an operation: 202 with `Location: /v1/operations/ID`; with `?wait=30s`, the VM
-    (201) or the refusal (409 for quota or capacity) when it ends within that time."""
+    (201) or the refusal (409 for quota or capacity) when it ends within that time. A request with `queue` that
+    does not fit waits: with `?wait=`, 202 with the queued request's operation (its `Location`; the create's
+    own operation in `Operation-Location`)."""
     seconds = wait_seconds(wait)
 
     def submit() -> OperationInfo:
@@ -77,7 +84,8 @@ async def create_vm(request: Request, body: VmCreate,
         info = writer(request).submit_vm_create(
             _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
             memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
-            idempotency_key=body.idempotency_key, template=body.template, holder=rt.holder,
+            idempotency_key=body.idempotency_key, template=body.template, priority=body.priority,
+            preempt=body.preempt, queue=body.queue, queue_deadline_s=body.queue_deadline_s, holder=rt.holder,
             lease_seconds=rt.cfg.operation_lease_s)
         rt.dispatch(info.id)
         return info
@@ -95,7 +103,8 @@ def dry_run(request: Request, body: VmCreate) -> Placement:
     return controller(request).request_vm(
         _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
         memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
-        template=body.template, dry_run=True)
+        template=body.template, dry_run=True, priority=body.priority, preempt=body.preempt, queue=body.queue,
+        queue_deadline_s=body.queue_deadline_s)
 
 
 @router.get("/vms", summary="List VMs", response_model=VmPage)

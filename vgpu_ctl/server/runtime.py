@@ -1,6 +1,7 @@
 """What a running server holds: the store context, the workers that run operations, the renewal of their
 leases, and (while this replica leads) the loops: operations left behind by a dead replica, reconcile on an
-interval, expired idempotency keys."""
+interval, expired idempotency keys, and the scheduling queue (admission tried again and deadlines expired on
+every tick, since a release on another replica admits only in that replica's process)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class LoopStats:
     last_reconcile: float | None = None
     leader_since: float | None = None  # when this replica last became leader (time.time())
     operations_run: dict[str, int] = field(default_factory=dict)  # by final state
+    queue_runs: int = 0  # admission tries of the scheduling queue by the leader loop
+    queue_admitted: int = 0
 
 
 def open_store(cfg: ServerConfig) -> ServiceContext:
@@ -73,6 +76,7 @@ class Runtime:
         self._mine: set[str] = set()  # operations queued or running here
         self._finished: dict[str, threading.Event] = {}
         self._accepting = True
+        self._admitting = False  # a queue admission runs on a worker (one at a time)
         self._closed = False
         self._drain_until: float | None = None  # the first drain's deadline: a later one waits no longer
         self.drained: bool | None = None  # after close: whether every operation of this process had ended
@@ -174,6 +178,7 @@ class Runtime:
                 if self.leading and self._accepting:
                     self._heartbeat()
                     self._recover()
+                    self._admit_queue()
                     if self.cfg.reconcile_interval_s > 0 and time.monotonic() >= next_reconcile:
                         self.reconcile_once()
                         next_reconcile = time.monotonic() + self.cfg.reconcile_interval_s
@@ -200,6 +205,27 @@ class Runtime:
             log.info("taking over operation %s", op_id)
             self.stats.operations_recovered += 1
             self.dispatch(op_id)
+
+    def _admit_queue(self) -> None:
+        """Try the scheduling queue again on a worker thread (at most one such try at a time, none while
+        draining): what waits is admitted if capacity freed elsewhere, and requests past their deadline end."""
+        with self._lock:
+            if self._admitting or self._closed or not self._accepting:
+                return
+            self._admitting = True
+        self._pool.submit(self._admit_queue_now)
+
+    def _admit_queue_now(self) -> None:
+        from vgpu_ctl.service.scheduling import capacity_freed  # the service's own admission (logs its failures)
+        try:
+            admitted = capacity_freed(self.server)
+            self.stats.queue_runs += 1
+            self.stats.queue_admitted += len(admitted)
+            if admitted:
+                log.info("queue: admitted %d VM(s)", len(admitted))
+        finally:
+            with self._lock:
+                self._admitting = False
 
     def reconcile_once(self) -> None:
         """One reconcile run with repairs (a running domain the store does not know is never undefined)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from vgpu_ctl.inventory import MAX_LIMIT, MAX_MEMORY_MIB, MAX_VM_VCPUS, NAME_RE
 from vgpu_ctl.service.hosts import HOST_STATES
@@ -56,6 +56,15 @@ class VmCreate(BaseModel):
     idempotency_key: str | None = Field(None, description="The same key gives the same VM (1-128 characters)",
                                         json_schema_extra={"minLength": 1, "maxLength": 128})
     template: str | None = Field(None, description="A domain template of the template folder, by name")
+    priority: str | None = name_field("Its priority class (default: the tenant's, else the global default)",
+                                      "batch", default=None)
+    preempt: StrictBool | None = Field(None, description="If it does not fit, preempt lower-priority preemptible "
+                                       "VMs (null: as its class's policy says)")
+    queue: StrictBool = Field(False, description="If it does not fit, wait in the queue: the operation ends "
+                              "with the result {\"queued\": OPERATION}, the queued request's own operation")
+    queue_deadline_s: StrictInt | StrictFloat | None = Field(
+        None, description="With queue, wait at most this many seconds (1 to a year)",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 366 * 86400, "examples": [7200]})
 
 
 class TenantCreate(BaseModel):

@@ -147,7 +147,9 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
     A create is made idempotent by the operation's id, so running it again after a crash finishes the same VM
     instead of making another; while another process still holds that VM's lease (a dead server on another
     machine, until its lease runs out) the create waits and tries again, so that it ends with the VM running,
-    not half made. A delete of a VM that is gone has done its work."""
+    not half made. A create asked with `queue` that does not fit ends succeeded with the result
+    `{"queued": OPERATION}`: the queued request's own operation, which ends when it is admitted (or cancelled, or
+    past its deadline). A delete of a VM that is gone has done its work."""
     req = dict(row.request)
     try:
         if row.kind == "vm.create":
@@ -155,6 +157,8 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
             tenant, name = req.pop("tenant"), req.pop("name")
             vgpus = [(v["profile"], v["count"]) for v in req.pop("vgpus")]
             vm = ctl.request_vm(tenant, name, vgpus, idempotency_key=key, **req)
+            if isinstance(vm, OperationInfo):  # it did not fit and waits in the queue: point at its operation
+                return None, {"queued": vm.to_dict()}, None
             deadline = time.monotonic() + VM_WAIT_S
             while vm.state in PROVISIONING and time.monotonic() < deadline:
                 time.sleep(VM_POLL_S)

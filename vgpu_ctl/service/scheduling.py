@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table, delete, func, insert, select, update
@@ -50,6 +49,7 @@ from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.operations import OPERATION
 from vgpu_ctl.service.principals import Principal
 from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.service.scheduling_types import PreemptionPlan, Victim  # their home, re-exported
 from vgpu_ctl.store.models import (
     Meta,
     ShareAccount,
@@ -445,43 +445,6 @@ def share_report(conn: Connection, catalog: Any, principal: Principal,
 
 
 # -- preemption -------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Victim:
-    """A VM a preemption frees, as reported (dry run) and audited."""
-
-    vm_id: str
-    tenant: str
-    name: str
-    host: str
-    priority_class: str | None
-    priority: int
-    mode: str
-    devices: tuple[str, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        d = dict(self.__dict__)
-        d["devices"] = list(self.devices)
-        return d
-
-
-@dataclass(frozen=True)
-class PreemptionPlan:
-    """What a preemption would do: the request's class and value, the pool and host it would go to, the victims."""
-
-    priority_class: str | None
-    priority: int
-    pool: str | None
-    host: str | None
-    victims: tuple[Victim, ...] = ()
-    reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {"priority_class": self.priority_class, "priority": self.priority, "pool": self.pool,
-                "host": self.host, "victims": [v.to_dict() for v in self.victims], "reason": self.reason}
-
 
 def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> tuple[list[Holder], dict[str, Any]]:
     """The VMs on these hosts that could be preempted (live: running or stopped, nobody working on them), as
