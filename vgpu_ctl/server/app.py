@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vgpu_ctl.errors import VgpuCtlError
 
-from . import routes_admin, routes_candidates, routes_vms
+from . import routes_admin, routes_candidates, routes_scheduling, routes_vms
 from .deps import IDEMPOTENCY_KEY, principal_of, runtime
 from .idempotent import IdempotencyKeys
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
@@ -279,6 +279,7 @@ def create_app(make_runtime: Callable[[], Runtime]) -> FastAPI:
     app.include_router(routes_candidates.router)
     app.include_router(routes_vms.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_scheduling.router)
     return app
 
 
