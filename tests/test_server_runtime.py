@@ -18,7 +18,7 @@ from serverfixtures import VGPUCTL
 
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.server.config import ServerConfig, load_config
-from vgpu_ctl.server.leader import FileLockElector, lock_key
+from vgpu_ctl.store.leader import FileLockElector, lock_key
 
 CONTRIB = REPO / "contrib"
 
@@ -149,7 +149,7 @@ def test_advisory_lock_one_leader_per_store_not_per_database(state_dir: Path) ->
     from conftest import pg_schema
     from sqlalchemy import create_engine
 
-    from vgpu_ctl.server.leader import AdvisoryLockElector
+    from vgpu_ctl.store.leader import AdvisoryLockElector
     with pg_schema() as url_a, pg_schema() as url_b:
         engines = [create_engine(u.replace("postgresql://", "postgresql+psycopg://", 1)) for u in
                    (url_a, url_a, url_b)]

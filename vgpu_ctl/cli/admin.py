@@ -134,11 +134,11 @@ def host_discover(uri: str = typer.Argument(..., help="libvirt URI of the host."
                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Read a live host's GPUs and mdev types into inventory YAML, reporting every mismatch with the catalog."""
     from vgpu_ctl.catalog import load_catalog
-    from vgpu_ctl.cli.host_check import record_written, side_for
-    from vgpu_ctl.hosts.discovery import discover_host
+    from vgpu_ctl.cli.host_check import record_written
+    from vgpu_ctl.service.host_side import discover
     fmt = out_format(as_json, output)
     with handled(fmt):
-        found = discover_host(uri, load_catalog(), name, side_for(uri, name))
+        found = discover(uri, load_catalog(), name)
     if write is not None:
         write.write_text(found.to_yaml())
         record_written(found, fmt)

@@ -4,21 +4,11 @@ the host agent's end of the controller's requests."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
-from urllib.parse import urlsplit
 
 import typer
 
 from vgpu_ctl.cli.common import JSON_OPT, OUTPUT_OPT, Output, console, emit, handled, machine, out_format, run
-
-
-def side_for(uri: str, name: str | None) -> Any:
-    """The host side (agent) of a host given by URI, as `host discover` and `host check` reach it."""
-    from vgpu_ctl.hosts.hostside import open_host_side
-    from vgpu_ctl.store.engine import state_dir
-    host = SimpleNamespace(name=name or urlsplit(uri).hostname or "localhost", uri=uri, vgpu_backing="mdev")
-    return open_host_side(host, state_dir())
 
 
 def record_written(found: Any, as_json: Any) -> list[dict[str, Any]]:
@@ -38,19 +28,16 @@ def host_check(target: str = typer.Argument(..., help="Host name in the store, o
                as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Check a host for vGPUs: libvirt and QEMU, IOMMU, vfio, NVIDIA driver, mdev bus or SR-IOV VFs, MIG mode,
     mdevctl. Exit 1 when a check fails."""
-    from vgpu_ctl.hosts.hostside import open_host_side
-    from vgpu_ctl.hosts.preflight import check_host
-    from vgpu_ctl.store.engine import state_dir
+    from vgpu_ctl.service.host_side import host_by_uri, preflight
 
     fmt = out_format(as_json, output)
     if "://" in target:
-        host: Any = SimpleNamespace(name=urlsplit(target).hostname or "localhost", uri=target,
-                                    vgpu_backing=backing)
+        host: Any = host_by_uri(target, backing=backing)
     else:
         from vgpu_ctl.service.host_types import host_row
         host = run(fmt, lambda c: host_row(c, target))
     with handled(fmt):
-        report = check_host(host.name, host.uri, open_host_side(host, state_dir()), host.vgpu_backing)
+        report = preflight(host)
     if machine(fmt):
         emit(fmt, report.to_dict())
     else:
@@ -75,5 +62,5 @@ def agent_call(state_dir_: Path = typer.Option(Path("/var/lib/vgpu-ctl"), "--sta
     """Answer one JSON request read from stdin (what the controller sends over SSH); the answer on stdout."""
     import sys
 
-    from vgpu_ctl.hosts.agent import serve_once
-    sys.stdout.write(serve_once(sys.stdin.read(), state_dir_, sysfs_root) + "\n")
+    from vgpu_ctl.service.host_side import answer_agent_request
+    sys.stdout.write(answer_agent_request(sys.stdin.read(), state_dir_, sysfs_root) + "\n")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
-
-from vgpu_ctl.service.operations import OPERATION
+from vgpu_ctl.service.server_lease import operations_by_state
 
 from .runtime import Runtime
 
@@ -12,8 +10,7 @@ from .runtime import Runtime
 def server_metrics(rt: Runtime) -> str:
     """Prometheus text lines of this server process."""
     with rt.ctx.engine.connect() as conn:
-        counts = conn.execute(select(OPERATION.c.state, func.count()).group_by(OPERATION.c.state)).all()
-    by_state: dict[str, int] = {str(state): int(n) for state, n in counts}
+        by_state = operations_by_state(conn)
     s = rt.stats
     lines = ["# HELP vgpu_operations Operations in the store by state.", "# TYPE vgpu_operations gauge"]
     lines += [f'vgpu_operations{{state="{st}"}} {by_state.get(st, 0)}'

@@ -11,26 +11,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import delete, select, update
-
 from vgpu_ctl.errors import VgpuCtlError
-from vgpu_ctl.service import idempotency
+from vgpu_ctl.service import idempotency, server_lease
 from vgpu_ctl.service import operations as ops
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.controller import Controller
 from vgpu_ctl.service.leases import new_holder, set_lease_seconds
 from vgpu_ctl.service.principals import Principal
-from vgpu_ctl.store import migrate
-from vgpu_ctl.store.models import ServerLease, utcnow
 
 from .config import ServerConfig
-from .leader import Elector, elector_for
 
 log = logging.getLogger("vgpu_ctl.server")
-SERVER_LEASE = ServerLease.__table__  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -81,7 +75,7 @@ class Runtime:
         self._drain_until: float | None = None  # the first drain's deadline: a later one waits no longer
         self.drained: bool | None = None  # after close: whether every operation of this process had ended
         self._stop = threading.Event()
-        self._elector: Elector = elector_for(self.ctx.engine, self.ctx.state_path)
+        self._elector = self.ctx.elector()
         self.leading = False
         self._threads = [threading.Thread(target=self._renew_loop, name="vgpu-renew", daemon=True),
                          threading.Thread(target=self._leader_loop, name="vgpu-leader", daemon=True)]
@@ -187,12 +181,9 @@ class Runtime:
             self._stop.wait(self.cfg.recovery_interval_s)
 
     def _heartbeat(self) -> None:
-        until = utcnow() + timedelta(seconds=max(3 * self.cfg.recovery_interval_s, 5.0))
+        until = datetime.now(UTC) + timedelta(seconds=max(3 * self.cfg.recovery_interval_s, 5.0))
         with self.ctx.tx() as conn:
-            if conn.execute(update(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader")
-                            .values(holder=self.holder, address=self.cfg.listen, expires_at=until)).rowcount == 0:
-                conn.execute(SERVER_LEASE.insert().values(name="leader", holder=self.holder, address=self.cfg.listen,
-                                                          expires_at=until))
+            server_lease.heartbeat(conn, self.holder, self.cfg.listen, until)
             idempotency.purge(conn)
 
     def _recover(self) -> None:
@@ -247,26 +238,21 @@ class Runtime:
     def leader(self) -> dict[str, object] | None:
         """The leader as the store knows it (holder, address, until), if its lease runs."""
         with self.ctx.engine.connect() as conn:
-            row = conn.execute(select(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader")).first()
-        if row is None:
-            return None
-        expires = row.expires_at if row.expires_at.tzinfo else row.expires_at.replace(tzinfo=utcnow().tzinfo)
-        if expires <= utcnow():
-            return None
-        return {"holder": row.holder, "address": row.address, "until": expires.isoformat(),
-                "self": row.holder == self.holder}
+            found = server_lease.current(conn)
+        return None if found is None else {**found, "self": found["holder"] == self.holder}
 
     def ready(self) -> dict[str, object]:
         """Whether the store answers, its schema is at head and a leader is known (`ok` all three, and not
         draining: a load balancer stops sending work to a replica that shuts down)."""
         out: dict[str, object] = {"store": False, "schema": None, "leader": None, "draining": not self._accepting}
         try:
-            out["schema"] = migrate.current_revision(self.ctx.engine)
+            out["schema"], head = self.ctx.schema_revisions()
             out["store"] = True
             out["leader"] = self.leader()
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
-        out["ok"] = bool(out["store"] and out["schema"] == migrate.head_revision() and out["leader"]
+            head = None
+        out["ok"] = bool(out["store"] and out["schema"] == head and out["leader"]
                          and self._accepting)
         return out
 
@@ -309,8 +295,7 @@ class Runtime:
         if self.leading:
             try:
                 with self.ctx.tx() as conn:
-                    conn.execute(delete(SERVER_LEASE).where(SERVER_LEASE.c.name == "leader",
-                                                            SERVER_LEASE.c.holder == self.holder))
+                    server_lease.resign(conn, self.holder)
             except Exception:
                 log.warning("could not clear the leader's lease", exc_info=True)
         self._elector.resign()

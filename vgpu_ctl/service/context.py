@@ -17,6 +17,7 @@ from vgpu_ctl.service.fit_masks import ensure_fit_masks
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.checkpoint import WalCheckpointer
 from vgpu_ctl.store.engine import default_url, make_engine, state_dir
+from vgpu_ctl.store.leader import Elector, elector_for
 from vgpu_ctl.store.urls import check_store_url, store_error
 from vgpu_ctl.store.writer_queue import WriterQueue
 
@@ -55,6 +56,14 @@ class ServiceContext:
         migrate.upgrade(self.engine)
         ensure_fit_masks(self.engine, self.catalog, force=refresh_fit_masks)
         return migrate.head_revision()
+
+    def elector(self) -> Elector:
+        """The election of the one server that leads this store (see store.leader)."""
+        return elector_for(self.engine, self.state_path)
+
+    def schema_revisions(self) -> tuple[str | None, str]:
+        """The revision the store's schema is at (None: empty) and the newest this code knows."""
+        return migrate.current_revision(self.engine), migrate.head_revision()
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
