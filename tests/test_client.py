@@ -265,8 +265,8 @@ def test_bad_input_names_the_field_and_changes_nothing(shared_server: RunningSer
         admin.create_tenant("Not A Name")
     assert bad.value.reasons and bad.value.reasons[0].get("field") == "tenant"
     with pytest.raises(InvalidInput) as sched:
-        admin.request_vm("acme", "q", "A100D-10C", vcpus=2, memory_mib=4096, queue=True)
-    assert sched.value.reasons == [{"field": "queue", "value": True}]
+        admin.request_vm("acme", "q", "A100D-10C", vcpus=2, memory_mib=4096, queue=True, queue_deadline_s=-1)
+    assert sched.value.reasons == [{"field": "queue_deadline", "value": -1}]
     with pytest.raises(InvalidInput) as quota:
         admin.set_quota("acme", {"profile:NOPE": 1})
     assert quota.value.reasons == [{"field": "profile", "value": "NOPE"}]

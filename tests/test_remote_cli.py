@@ -132,12 +132,12 @@ def test_refusals_print_the_same_with_the_same_exit_code(shared_server: RunningS
 
 @pytest.mark.parametrize("args", [("db", "backup", "BACKUP"), ("init",), ("host", "check", "kvm-a100-01"),
                                   ("host", "discover", "test:///default"), ("serve",), ("metrics", "serve"),
-                                  ("db", "repair-usage"), ("priority", "list"), ("queue",)])
+                                  ("db", "repair-usage")])
 def test_commands_of_the_stores_machine_are_refused_with_server(shared_server: RunningServer, tmp_path: Path,
                                                                args: tuple[str, ...]) -> None:
     backup = tmp_path / "backup.db"
     args = tuple(str(backup) if a == "BACKUP" else a for a in args)
-    path = args[:2] if args[0] in ("db", "host", "metrics", "priority") else args[:1]
+    path = args[:2] if args[0] in ("db", "host", "metrics") else args[:1]
     text = shared_server.cli(*args)
     assert text.returncode == 2, text.stdout + text.stderr
     assert f"`vgpuctl {' '.join(path)}`" in text.stderr and f"--server {shared_server.url}" in text.stderr

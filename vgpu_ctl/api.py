@@ -16,6 +16,63 @@ if TYPE_CHECKING:
 
     from vgpu_ctl.catalog import ProfileInfo
     from vgpu_ctl.service.requests import OperationInfo, Placement, ReconcileReport, VgpuRequest, VmInfo
+    from vgpu_ctl.service.scheduling_types import PreemptionPlan
+
+
+class SchedulingApi(Protocol):
+    """Scheduling's API (`Controller.scheduling`, `Client.scheduling`): priority classes, tenants' scheduling,
+    accounts, settings, the fair-share report, the queue and preemption previews."""
+
+    def create_class(self, name: str, value: int, *, preemptible: bool = False,
+                     preemption_policy: str = "lower-priority", preemption_mode: str = "requeue",
+                     default: bool = False, description: str = "") -> dict[str, Any]:
+        """Add a priority class (admin only)."""
+
+    def list_classes(self) -> list[dict[str, Any]]:
+        """Every priority class, highest first, with its VMs."""
+
+    def delete_class(self, name: str) -> None:
+        """Remove an unused priority class (admin only)."""
+
+    def tenant(self, tenant: str) -> dict[str, Any]:
+        """A tenant's scheduling settings."""
+
+    def set_tenant(self, tenant: str, *, shares: int | None = None, account: str | None = ...,
+                   default_priority: str | None = ...,
+                   priority_classes: Collection[str] | None = ...) -> dict[str, Any]:
+        """Change a tenant's shares, account, default class or allowed classes (admin only)."""
+
+    def set_account(self, name: str, shares: int = 1, parent: str | None = None) -> dict[str, Any]:
+        """Add or change an account of the share tree (admin only)."""
+
+    def delete_account(self, name: str) -> None:
+        """Remove an account without members (admin only)."""
+
+    def settings(self) -> dict[str, float]:
+        """The scheduling settings, in seconds."""
+
+    def set_settings(self, **values: float | None) -> dict[str, float]:
+        """Change scheduling settings (admin only); all of them after."""
+
+    def share(self, now: float | None = None) -> list[dict[str, Any]]:
+        """The fair-share report (`sshare -l`)."""
+
+    def queue(self) -> list[dict[str, Any]]:
+        """What waits, in admission order."""
+
+    def admit(self) -> list[str]:
+        """Try to admit what waits now (admin only); the VMs admitted."""
+
+    def cancel(self, op_id: str) -> None:
+        """Take a queued request out of the queue."""
+
+    def preview(self, tenant: str, name: str, vgpus: Sequence[tuple[str, int]], *, vcpus: int, memory_mib: int,
+                pool: str | None = None, labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
+                priority: str | None = None) -> PreemptionPlan:
+        """The victims preempting for this request would free (nothing changes)."""
+
+    def preemption_counts(self) -> dict[tuple[str, str], int]:
+        """Preemptions so far by (reason, mode)."""
 
 
 class VgpuApi(Protocol):
@@ -27,6 +84,10 @@ class VgpuApi(Protocol):
 
     def close(self) -> None:
         """Release the store's or the server's connections."""
+
+    @property
+    def scheduling(self) -> SchedulingApi:
+        """Scheduling's API for this caller."""
 
     # catalog and inventory
     def profiles(self, model: str | None = None) -> list[ProfileInfo]:
@@ -81,19 +142,31 @@ class VgpuApi(Protocol):
     def revoke_api_token(self, name: str) -> None:
         """Revoke an API token."""
 
-    # VMs: a VM (placed, provisioned, running), or with dry_run=True where it would go. (No overload for a
-    # dry_run only known at run time: the Controller's own for that also covers its queued requests.)
+    # VMs: a VM (placed, provisioned, running), with queue=True possibly its queued operation instead, or with
+    # dry_run=True where it would go.
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[False] = False) -> VmInfo: ...
+                   template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: Literal[False] = False,
+                   queue_deadline_s: float | None = None) -> VmInfo: ...
 
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
-                   template: str | None = None, dry_run: Literal[True]) -> Placement: ...
+                   template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: Literal[True],
+                   queue_deadline_s: float | None = None) -> VmInfo | OperationInfo: ...
+
+    @overload
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: Literal[True], priority: str | None = None,
+                   preempt: bool | None = None, queue: bool = False,
+                   queue_deadline_s: float | None = None) -> Placement: ...
 
 
     def get_vm(self, ref: str) -> VmInfo:
@@ -137,4 +210,4 @@ if TYPE_CHECKING:  # mypy: both ways in satisfy the protocol
     _client: type[VgpuApi] = Client
 
 
-__all__ = ["VgpuApi"]
+__all__ = ["SchedulingApi", "VgpuApi"]

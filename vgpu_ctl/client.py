@@ -46,6 +46,7 @@ from vgpu_ctl.service.requests import (
     VgpuRequest,
     VmInfo,
 )
+from vgpu_ctl.service.scheduling_types import PreemptionPlan
 
 SERVER_ENV = "VGPU_CTL_SERVER"
 RETRY_STATUS = (502, 503)
@@ -53,6 +54,7 @@ PAGE = 1000  # VMs per page when listing
 POLL_WAIT_S = 30.0  # how long one request waits on the server for an operation to end
 MAX_RETRY_AFTER_S = 10.0
 _T = TypeVar("_T")
+_UNSET: Any = object()  # a tenant setting not given (None clears it)
 
 
 def _build(cls: type[_T], data: Mapping[str, Any], **override: Any) -> _T:
@@ -139,6 +141,11 @@ class Client:
                                            "Accept": "application/json, application/problem+json"})
 
     # -- plumbing ---------------------------------------------------------------------------------------------
+
+    @property
+    def scheduling(self) -> RemoteScheduling:
+        """Scheduling's API on the server, with the methods of the Controller's `scheduling`."""
+        return RemoteScheduling(self)
 
     def __enter__(self) -> Client:
         return self
@@ -311,8 +318,17 @@ class Client:
                    vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
-                   preempt: bool | None = None, queue: bool = False,
+                   preempt: bool | None = None, queue: Literal[False] = False,
                    queue_deadline_s: float | None = None) -> VmInfo:
+        ...
+
+    @overload
+    def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
+                   vcpus: int, memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
+                   anti_affinity: str | None = None, idempotency_key: str | None = None,
+                   template: str | None = None, dry_run: Literal[False] = False, priority: str | None = None,
+                   preempt: bool | None = None, queue: Literal[True],
+                   queue_deadline_s: float | None = None) -> VmInfo | OperationInfo:
         ...
 
     @overload
@@ -330,7 +346,7 @@ class Client:
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False, priority: str | None = None,
                    preempt: bool | None = None, queue: bool = False,
-                   queue_deadline_s: float | None = None) -> VmInfo | Placement:
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement | OperationInfo:
         ...
 
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
@@ -338,31 +354,31 @@ class Client:
                    anti_affinity: str | None = None, idempotency_key: str | None = None,
                    template: str | None = None, dry_run: bool = False, priority: str | None = None,
                    preempt: bool | None = None, queue: bool = False,
-                   queue_deadline_s: float | None = None) -> VmInfo | Placement:
+                   queue_deadline_s: float | None = None) -> VmInfo | Placement | OperationInfo:
         """Request a VM and wait until it runs (its VmInfo) or is refused (QuotaExceeded, NoCapacity, ...,
         with the reasons); with dry_run, where it would go (a Placement), nothing claimed. `idempotency_key`
-        is the VM's own (the same key twice gives the same VM), apart from the HTTP Idempotency-Key. The
-        scheduling options (`priority`, `preempt`, `queue`, `queue_deadline_s`) are not served by the REST API:
-        InvalidInput naming the one given, nothing sent."""
-        for option, value, default in (("priority", priority, None), ("preempt", preempt, None),
-                                       ("queue", queue, False), ("queue_deadline_s", queue_deadline_s, None)):
-            if value != default:
-                raise InvalidInput(f"{option} {value!r}: the server's API takes no scheduling options yet; request "
-                                   "without it, or on the store's machine without --server",
-                                   reasons=[{"field": option, "value": value}])
+        is the VM's own (the same key twice gives the same VM), apart from the HTTP Idempotency-Key. As with
+        the Controller, `priority` names its class, `preempt` asks to preempt lower-priority preemptible VMs
+        when it does not fit (None: as the class's policy says), and with `queue` a request that does not fit
+        waits: its queued operation (pending, an OperationInfo) is returned, for at most `queue_deadline_s`."""
         if isinstance(vgpus, str):
             vgpus = [VgpuRequest(vgpus, 1)]
         wants = [v if isinstance(v, VgpuRequest) else VgpuRequest(v[0], v[1]) for v in vgpus]
         body = {"tenant": tenant, "name": name, "vgpus": [{"profile": v.profile, "count": v.count} for v in wants],
                 "vcpus": vcpus, "memory_mib": memory_mib, "pool": pool, "labels": dict(labels or {}),
-                "anti_affinity": anti_affinity, "idempotency_key": idempotency_key, "template": template}
+                "anti_affinity": anti_affinity, "idempotency_key": idempotency_key, "template": template,
+                "priority": priority, "preempt": preempt, "queue": queue, "queue_deadline_s": queue_deadline_s}
         if dry_run:
             return placement_from_dict(self.request("POST", "/v1/placements", json=body).json())
         response = self.request("POST", "/v1/vms", params={"wait": self._wait_param()}, json=body,
                                 timeout=self.timeout + POLL_WAIT_S)
         if response.status_code == 201:
             return vm_from_dict(response.json())
+        if "operation-location" in response.headers:  # 202 for a request that waits in the queue: the queued one
+            return operation_from_dict(response.json())
         op = self.wait_operation(operation_from_dict(response.json()))
+        if op.result is not None and "queued" in op.result:
+            return operation_from_dict(op.result["queued"])
         if op.result is not None:
             return vm_from_dict(op.result)
         assert op.vm_id is not None, op
@@ -484,6 +500,106 @@ class Client:
         return self.request("GET", "/metrics").text
 
 
+class RemoteScheduling:
+    """`Controller.scheduling` over HTTP: priority classes, tenants' scheduling, accounts, settings, the
+    fair-share report, the queue and preemption previews, with the same methods, results and errors."""
+
+    def __init__(self, client: Client) -> None:
+        """Act through `client` (as the holder of its token)."""
+        self.client = client
+
+    def _get(self, path: str, **params: Any) -> Any:
+        return self.client._get(path, **params)
+
+    def create_class(self, name: str, value: int, *, preemptible: bool = False,
+                     preemption_policy: str = "lower-priority", preemption_mode: str = "requeue",
+                     default: bool = False, description: str = "") -> dict[str, Any]:
+        """Add a priority class (admin only); the class."""
+        out: dict[str, Any] = self.client.request("POST", "/v1/priority-classes", json={
+            "name": name, "value": value, "preemptible": preemptible, "preemption_policy": preemption_policy,
+            "preemption_mode": preemption_mode, "default": default, "description": description}).json()
+        return out
+
+    def list_classes(self) -> list[dict[str, Any]]:
+        """Every priority class, highest first, with its VMs."""
+        out: list[dict[str, Any]] = self._get("/v1/priority-classes")
+        return out
+
+    def delete_class(self, name: str) -> None:
+        """Remove an unused priority class (admin only)."""
+        self.client.request("DELETE", f"/v1/priority-classes/{_q(name)}")
+
+    def tenant(self, tenant: str) -> dict[str, Any]:
+        """A tenant's scheduling settings (a tenant caller sees only its own)."""
+        out: dict[str, Any] = self._get(f"/v1/tenants/{_q(tenant)}/scheduling")
+        return out
+
+    def set_tenant(self, tenant: str, *, shares: int | None = None, account: str | None = _UNSET,
+                   default_priority: str | None = _UNSET,
+                   priority_classes: Collection[str] | None = _UNSET) -> dict[str, Any]:
+        """Change a tenant's shares, account, default class or allowed classes (admin only): only those given
+        (None clears account, default class and allowed classes)."""
+        body: dict[str, Any] = {} if shares is None else {"shares": shares}
+        for key, value in (("account", account), ("default_priority", default_priority)):
+            if value is not _UNSET:
+                body[key] = value
+        if priority_classes is not _UNSET:
+            body["priority_classes"] = None if priority_classes is None else list(priority_classes)
+        out: dict[str, Any] = self.client.request("PUT", f"/v1/tenants/{_q(tenant)}/scheduling", json=body).json()
+        return out
+
+    def set_account(self, name: str, shares: int = 1, parent: str | None = None) -> dict[str, Any]:
+        """Add or change an account of the share tree (admin only)."""
+        out: dict[str, Any] = self.client.request("PUT", f"/v1/accounts/{_q(name)}",
+                                                  json={"shares": shares, "parent": parent}).json()
+        return out
+
+    def delete_account(self, name: str) -> None:
+        """Remove an account without members (admin only)."""
+        self.client.request("DELETE", f"/v1/accounts/{_q(name)}")
+
+    def settings(self) -> dict[str, float]:
+        """The scheduling settings (half-life, grace, cool-down, in seconds)."""
+        out: dict[str, float] = self._get("/v1/scheduling/settings")
+        return out
+
+    def set_settings(self, **values: float | None) -> dict[str, float]:
+        """Change scheduling settings (admin only); all of them after."""
+        out: dict[str, float] = self.client.request("PUT", "/v1/scheduling/settings", json=values).json()
+        return out
+
+    def share(self, now: float | None = None) -> list[dict[str, Any]]:
+        """The fair-share report (`sshare -l`); a tenant caller sees only its own row."""
+        out: list[dict[str, Any]] = self._get("/v1/scheduling/share", now=now)
+        return out
+
+    def queue(self) -> list[dict[str, Any]]:
+        """What waits, in admission order (a tenant caller sees only its own)."""
+        out: list[dict[str, Any]] = self._get("/v1/queue")
+        return out
+
+    def admit(self) -> list[str]:
+        """Try to admit what waits now (admin only); the VMs admitted."""
+        return [str(v) for v in self.client.request("POST", "/v1/queue/admit").json()["admitted"]]
+
+    def cancel(self, op_id: str) -> None:
+        """Take a queued request out of the queue (the admin, or the tenant that asked)."""
+        self.client.request("DELETE", f"/v1/queue/{_q(op_id)}")
+
+    def preview(self, tenant: str, name: str, vgpus: Sequence[tuple[str, int]], *, vcpus: int, memory_mib: int,
+                pool: str | None = None, labels: Mapping[str, str] | None = None, anti_affinity: str | None = None,
+                priority: str | None = None) -> PreemptionPlan:
+        """The victims preempting for this request would free (a dry run: nothing changes)."""
+        body = {"tenant": tenant, "name": name, "vgpus": [{"profile": p, "count": n} for p, n in vgpus],
+                "vcpus": vcpus, "memory_mib": memory_mib, "pool": pool, "labels": dict(labels or {}),
+                "anti_affinity": anti_affinity, "priority": priority}
+        return PreemptionPlan.from_dict(self.client.request("POST", "/v1/scheduling/preview", json=body).json())
+
+    def preemption_counts(self) -> dict[tuple[str, str], int]:
+        """Preemptions so far by (reason, mode)."""
+        return {(str(r["reason"]), str(r["mode"])): int(r["count"]) for r in self._get("/v1/scheduling/preemptions")}
+
+
 def _code(response: httpx.Response) -> str | None:
     try:
         body = response.json()
@@ -492,4 +608,4 @@ def _code(response: httpx.Response) -> str | None:
     return str(body.get("code")) if isinstance(body, dict) else None
 
 
-__all__ = ["SERVER_ENV", "Client", "error_of"]
+__all__ = ["SERVER_ENV", "Client", "RemoteScheduling", "error_of"]

@@ -121,9 +121,7 @@ def remote() -> bool:
 
 # Commands that work on the store (or the host) of this machine only: refused with --server, exit 2.
 LOCAL_ONLY = {("init",), ("serve",), ("agent",), ("db",), ("plan",), ("advise",), ("host", "check"),
-              ("host", "discover"), ("metrics", "serve"),
-              # scheduling settings: the REST API has no endpoints for them
-              ("priority",), ("account",), ("scheduling",), ("share",), ("queue",), ("tenant", "set")}
+              ("host", "discover"), ("metrics", "serve")}
 
 
 def local_only_error(path: Sequence[str], server: str) -> InvalidInput:

@@ -17,7 +17,6 @@ from vgpu_ctl.cli.common import (
     out_format,
     parse_mib,
     print_table,
-    remote,
     run,
     short_id,
 )
@@ -77,7 +76,7 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
     fmt = out_format(as_json, output)
 
     def go(c: Any) -> Any:
-        if dry_run and preempt and not remote():  # through a server: refused by the Client, naming preempt
+        if dry_run and preempt:  # the victims (through a server: POST /v1/scheduling/preview)
             return c.scheduling.preview(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
                                         memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                                         anti_affinity=anti_affinity, priority=priority)
