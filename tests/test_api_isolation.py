@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -198,6 +199,53 @@ def test_idempotency_keys_do_not_cross_tenants(world: dict[str, Any], globex: ht
     assert "acme" not in rg.text and ra.json()["id"] not in rg.text
     assert wait_operation(globex, rg.headers["location"])["result"]["tenant"] == "globex"
     assert wait_operation(acme, ra.headers["location"])["result"]["tenant"] == "acme"
+
+
+def test_scheduling_shows_only_the_callers_own(world: dict[str, Any], globex: httpx.Client) -> None:
+    """The queue, tenants' scheduling settings, fair share and preemption previews: acme's are 404 to globex
+    as if they did not exist, and the admin's scheduling commands are the same 403 whatever they name."""
+    srv: ApiServer = world["srv"]
+    acme = srv.client("acme")
+    big = {**VM, "name": "queued-big", "vgpus": [{"profile": "A100-80GB", "count": 2}], "queue": True}
+    r = acme.post("/v1/vms", json=big)  # two whole A100s on one host: none has them, so it waits
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 20
+    while not (queued := [q for q in acme.get("/v1/queue").json() if q["name"] == "queued-big"]):
+        assert time.monotonic() < deadline, acme.get(r.headers["location"]).json()
+        time.sleep(0.1)
+    op = queued[0]["operation"]
+    try:
+        missing = "00000000-0000-4000-8000-000000000000"
+        assert globex.get("/v1/queue").json() == []
+        _same_404(globex.get(f"/v1/queue/{op}"), globex.get(f"/v1/queue/{missing}"), op, missing)
+        _same_404(globex.delete(f"/v1/queue/{op}"), globex.delete(f"/v1/queue/{missing}"), op, missing)
+        _same_404(globex.get("/v1/queue", params={"tenant": "acme"}),
+                  globex.get("/v1/queue", params={"tenant": "zz9"}), "acme", "zz9")
+        _same_404(globex.get("/v1/tenants/acme/scheduling"), globex.get("/v1/tenants/zz9/scheduling"), "acme", "zz9")
+        assert globex.get("/v1/tenants/globex/scheduling").json()["tenant"] == "globex"
+        preview = {**VM, "name": "p", "tenant": "acme"}
+        _same_404(globex.post("/v1/scheduling/preview", json=preview),
+                  globex.post("/v1/scheduling/preview", json={**preview, "tenant": "zz9"}), "acme", "zz9")
+        share = globex.get("/v1/scheduling/share")
+        assert share.status_code == 200 and "acme" not in share.text, share.text
+        pre = globex.get("/v1/scheduling/preemptions")
+        assert pre.status_code == 200 and "acme" not in pre.text
+        for url in ("/v1/priority-classes", "/v1/scheduling/settings"):
+            assert globex.get(url).status_code == 200
+        for method, url, kw in [("PUT", "/v1/tenants/{t}/scheduling", {"json": {"shares": 5}})]:
+            a = globex.request(method, url.format(t="acme"), **kw)
+            b = globex.request(method, url.format(t="zz9"), **kw)
+            problem_of(a, 403, "permission_denied")
+            assert a.text == b.text
+        for method, url, kw in [("POST", "/v1/queue/admit", {}), ("PUT", "/v1/accounts/research", {"json": {}}),
+                                ("DELETE", "/v1/accounts/research", {}),
+                                ("POST", "/v1/priority-classes", {"json": {"name": "mine", "value": 9}}),
+                                ("DELETE", "/v1/priority-classes/batch", {}),
+                                ("PUT", "/v1/scheduling/settings", {"json": {"grace_s": 1}})]:
+            problem_of(globex.request(method, url, **kw), 403, "permission_denied")
+        assert [q["operation"] for q in acme.get("/v1/queue").json()] == [op]  # untouched by globex
+    finally:
+        assert acme.delete(f"/v1/queue/{op}").status_code == 204
 
 
 def test_zz_every_endpoint_was_called_by_the_second_tenant(request: pytest.FixtureRequest,

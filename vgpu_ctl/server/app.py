@@ -23,6 +23,7 @@ from .deps import IDEMPOTENCY_KEY, principal_of, runtime
 from .idempotent import IdempotencyKeys
 from .problems import PROBLEM_TYPE, problem, problem_of, problem_responses
 from .runtime import Runtime
+from .schemas import Problem
 
 log = logging.getLogger("vgpu_ctl.server")
 LOOPBACK = ("127.0.0.1", "::1")
@@ -193,9 +194,14 @@ def _problem_schema(app: FastAPI) -> dict[str, Any]:
                     resp["content"] = {PROBLEM_TYPE: typed[0]}
             if path not in ANONYMOUS:
                 op["security"] = [{"bearer": []}]
-            if op is item.get("post"):  # the Idempotency-Key layer serves every POST
+            if op is item.get("post"):  # the Idempotency-Key layer serves every POST: its header, 409, 422
                 op["parameters"] = [*op.get("parameters", []), dict(IDEMPOTENCY_KEY)]
+                for status, why in (("409", "A request with this Idempotency-Key is still being answered"),
+                                    ("422", "This Idempotency-Key was used for another request")):
+                    responses.setdefault(status, {"description": why, "content": {
+                        PROBLEM_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}})
     components = schema.setdefault("components", {})
+    components.setdefault("schemas", {}).setdefault("Problem", Problem.model_json_schema())
     for unused in ("HTTPValidationError", "ValidationError"):
         components.get("schemas", {}).pop(unused, None)
     components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
