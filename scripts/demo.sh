@@ -46,4 +46,19 @@ v host cordon kvm-l40s-01                        # no new VMs there; its VMs sta
 v host uncordon kvm-l40s-01
 v vm xml acme/train-a | head -n 40
 v vm delete acme/train-b
+
+echo "# the same store as a service: a tenant with only a token and the server's URL"
+port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+.venv/bin/vgpuctl serve --listen "127.0.0.1:$port" --reconcile-interval 0 --log-level warning &
+server=$!
+trap 'kill -TERM $server 2>/dev/null || true' EXIT
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+token=$(.venv/bin/vgpuctl tenant token acme)
+r() { echo "+ vgpuctl --server http://127.0.0.1:$port $*"; VGPU_CTL_TOKEN="$token" .venv/bin/vgpuctl --server "http://127.0.0.1:$port" "$@"; }
+r vm create --tenant acme --name remote-1 --profile H100-1-10C --vcpus 4 --memory 16GiB --pool inference
+r vm list
+r vm delete acme/remote-1
+r vm show globex/infer-1 || true                 # another tenant's VM: not found (exit 4)
+kill -TERM $server && wait $server               # SIGTERM drains in-flight work, then exits 0
+trap - EXIT
 echo "demo store: $VGPU_CTL_STATE_DIR/vgpu-ctl.db"
