@@ -61,4 +61,18 @@ r vm delete acme/remote-1
 r vm show globex/infer-1 || true                 # another tenant's VM: not found (exit 4)
 kill -TERM $server && wait $server               # SIGTERM drains in-flight work, then exits 0
 trap - EXIT
+echo "# scheduling: a preemptible batch VM gives way to a prod one, waits in the queue, and runs again"
+v tenant create beta
+v priority create batch --value 10 --preemptible   # its VMs may be preempted (requeued)
+v priority create prod --value 1000                # may preempt lower-priority preemptible VMs
+v tenant set acme --priority-classes batch --default-priority batch --shares 2
+v vm create --tenant acme --name batch-1 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training
+v vm create --tenant beta --name serve-1 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training \
+  --priority prod --preempt --dry-run              # the victims, before anything happens
+v vm create --tenant beta --name serve-1 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training --priority prod
+v queue                                            # acme/batch-1 waits, requeued with its id and disk
+v share
+v vm delete beta/serve-1                           # capacity frees: the queue admits acme/batch-1 again
+v vm show acme/batch-1
+v events --tenant acme -o wide | tail -n 8        # vm.preempted (by whom, why), vm.admit (requeued)
 echo "demo store: $VGPU_CTL_STATE_DIR/vgpu-ctl.db"
