@@ -30,6 +30,7 @@ from vgpu_ctl.cli.common import (
 from vgpu_ctl.cli.host_check import agent_app, host_check
 from vgpu_ctl.cli.ops import register as register_ops
 from vgpu_ctl.cli.plan import register as register_plan
+from vgpu_ctl.cli.rebalance import register as register_rebalance
 from vgpu_ctl.cli.scheduling import register as register_scheduling
 from vgpu_ctl.cli.serve import serve, token_app
 from vgpu_ctl.cli.vm import vm_app
@@ -46,6 +47,7 @@ app.add_typer(quota_app, name="quota")
 app.add_typer(vm_app, name="vm")
 register_ops(app)
 register_plan(app)
+register_rebalance(app)
 register_scheduling(app)
 app.command("reconcile")(reconcile_cmd)
 host_app.command("check")(host_check)

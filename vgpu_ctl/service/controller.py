@@ -70,6 +70,8 @@ from vgpu_ctl.service.requests import (
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
 
 if TYPE_CHECKING:
+    from vgpu_ctl.planning.demand import Demand
+    from vgpu_ctl.planning.rebalance import RebalancePlan
     from vgpu_ctl.service.scheduling import Scheduling
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
@@ -1009,6 +1011,13 @@ class Controller:
         with self.tx() as conn:
             ops.finish(conn, op_id, holder, vm_id=vm_id, result=result, error=error)
         return True
+
+    def rebalance_plan(self, goal: str = "free-gpus", pool: str | None = None,
+                       demand: Demand | None = None) -> RebalancePlan:
+        """The moves that would free whole GPUs or hosts (or the GPUs the carving advisor wants re-carved), on a
+        copy of the store (admin only; nothing written): see `service.rebalance`."""
+        from vgpu_ctl.service.rebalance import plan_rebalance
+        return plan_rebalance(self, goal, pool, demand)
 
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""

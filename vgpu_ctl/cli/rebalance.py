@@ -1,0 +1,131 @@
+"""`vgpuctl rebalance`: the moves that would free whole GPUs or hosts (--plan, on a copy of the store), and
+carrying them out one at a time (--apply, after confirmation). Admin only, on this machine's store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from vgpu_ctl.cli.common import (
+    JSON_OPT,
+    OUTPUT_OPT,
+    STATE,
+    Output,
+    console,
+    emit,
+    fail,
+    handled,
+    local_only_error,
+    machine,
+    open_controller,
+    out_format,
+    print_table,
+    remote,
+)
+from vgpu_ctl.errors import InvalidInput
+
+GOALS = ("free-gpus", "free-hosts", "advised")
+
+
+def _table(data: dict[str, Any], fmt: Output) -> None:
+    s = data["summary"]
+    console.print(f"fleet: {data['fleet']}; goal {data['goal']}" + (f", pool {data['pool']}" if data["pool"] else ""))
+    console.print(f"{_n(s['moves'], 'move')} of {_n(s['vms_moved'], 'VM')} free {_n(s['gpus_freed'], 'GPU')} and "
+                  f"{_n(s['hosts_freed'], 'host')} (in-use GPUs {s['in_use_gpus_before']} -> "
+                  f"{s['in_use_gpus_after']})")
+    f = Table("freed", "VMs touched", "VMs", title="freed")
+    for r in data["freed"]:
+        f.add_row(r["target"], str(r["vms_touched"]), ", ".join(v[:8] for v in r["vms"]))
+    print_table(f, fmt)
+    m = Table("#", "VM", "from", "to", "frees", title="moves, in order (stop, re-place, start)")
+    for n, mv in enumerate(data["moves"], 1):
+        m.add_row(str(n), f"{mv['tenant']}/{mv['name']}", _side(mv["from"]), _side(mv["to"]), mv["frees"])
+    print_table(m, fmt)
+    for b in data["blocked"][:20]:
+        console.print(f"not freed: {b['target']}: {b['reason']}")
+    if len(data["blocked"]) > 20:
+        console.print(f"({len(data['blocked']) - 20} more not freed; -o json lists them all)")
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _side(side: dict[str, Any]) -> str:
+    return str(side["host"]) + " " + " ".join(f"{d['pci']}:{d['profile']}@{d['start']}" for d in side["devices"])
+
+
+def rebalance_cmd(
+        plan: bool = typer.Option(False, "--plan", help="Print the moves (computed on a copy; nothing changes)."),
+        apply: bool = typer.Option(False, "--apply", help="Carry the plan's moves out, one at a time, after "
+                                   "confirmation."),
+        pool: str = typer.Option(None, "--pool", help="Free only this pool's GPUs (hosts)."),
+        goal: str = typer.Option("free-gpus", "--goal", help="free-gpus, free-hosts, or advised (the in-use GPUs "
+                                 "`advise carving --demand` wants re-carved)."),
+        demand: Path = typer.Option(None, "--demand", help="With --goal advised: the demand the advisor weighs."),
+        yes: bool = typer.Option(False, "--yes", "-y", help="With --apply: do not ask (for scripts)."),
+        as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
+    """The moves (stop, re-place, start) that would free whole GPUs or hosts, or the GPUs the carving advisor
+    wants re-carved, with the VMs touched per GPU (host) freed; --apply carries them out after confirmation."""
+    fmt = out_format(as_json, output)
+    if remote():
+        fail(local_only_error(["rebalance"], str(STATE.server)), fmt)
+    with handled(fmt):
+        if plan == apply:
+            raise InvalidInput("give exactly one of --plan and --apply (field plan)", reasons=[{"field": "plan"}])
+        if goal not in GOALS:
+            raise InvalidInput(f"field goal: {goal!r} is not one of {', '.join(GOALS)}",
+                               reasons=[{"field": "goal", "value": goal}])
+        if demand is not None and goal != "advised":
+            raise InvalidInput("field demand: --demand goes with --goal advised only", reasons=[{"field": "demand"}])
+        from vgpu_ctl.service.fleet_snapshot import require_store
+
+        require_store(STATE.db)
+        ctl = open_controller(init=False)
+        try:
+            d = None
+            if demand is not None:
+                from vgpu_ctl.planning.demand import load_demand
+                d = load_demand(demand, ctl.catalog)
+            from vgpu_ctl.service.rebalance import plan_dict
+            result = ctl.rebalance_plan(goal, pool, d)
+            data = plan_dict(result)
+            if apply:
+                data = _apply(ctl, result, data, yes, fmt)
+        finally:
+            ctl.close()
+    if machine(fmt):
+        emit(fmt, data)
+        return
+    if not apply:
+        _table(data, fmt)
+
+
+def _apply(ctl: Any, result: Any, data: dict[str, Any], yes: bool, fmt: Output) -> dict[str, Any]:
+    if not result.moves:
+        return {**data, "applied": [], "done": True}
+    if not yes:
+        if not machine(fmt):
+            _table(data, fmt)
+        answer = typer.prompt(f"carry out these {len(result.moves)} moves, one at a time? [y/N]", default="",
+                              show_default=False, err=True)
+        if answer.strip().lower() not in ("y", "yes"):
+            raise InvalidInput("not confirmed: nothing moved (field yes; --yes to skip the question)",
+                               reasons=[{"field": "yes"}])
+    report = ctl.rebalance_apply(result.moves)
+    if not machine(fmt):
+        for r in report["applied"]:
+            console.print(f"moved {r['tenant']}/{r['name']}: {r['from']} -> {r['to']}")
+        if report.get("failed"):
+            f = report["failed"]
+            console.print(f"move of {f['tenant']}/{f['name']} failed and was undone (it runs where it was): "
+                          f"{f['error']}; the remaining {report['not_tried']} moves were not tried")
+    return {**data, **report}
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rebalance` to the vgpuctl command."""
+    app.command("rebalance")(rebalance_cmd)
