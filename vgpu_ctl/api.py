@@ -198,8 +198,9 @@ class VgpuApi(Protocol):
         """Audit events, oldest first."""
 
     def reconcile(self, fix: bool = False, progress: Any = None,
-                  confirm_undefine: Callable[[Any], bool] | None = None) -> ReconcileReport:
-        """Compare store and hosts; repair with fix."""
+                  confirm_undefine: Callable[[Any], bool] | None = None,
+                  confirm_adopt: Callable[[Any], bool] | None = None) -> ReconcileReport:
+        """Compare store and hosts; repair with fix (adopting unknown domains where `confirm_adopt` says yes)."""
 
 
 if TYPE_CHECKING:  # mypy: both ways in satisfy the protocol

@@ -477,9 +477,14 @@ class Client:
         return out
 
     def reconcile(self, fix: bool = False, progress: Any = None,
-                  confirm_undefine: Callable[[Any], bool] | None = None) -> ReconcileReport:
+                  confirm_undefine: Callable[[Any], bool] | None = None,
+                  confirm_adopt: Callable[[Any], bool] | None = None) -> ReconcileReport:
         """One reconcile run on the server (admin only). The server never undefines a running domain the store
-        does not know, so `confirm_undefine` is not asked; `progress` is called with the server's URL."""
+        does not know, so `confirm_undefine` is not asked; adopting one asks the admin at the store's machine,
+        so `confirm_adopt` is refused; `progress` is called with the server's URL."""
+        if confirm_adopt is not None:
+            raise InvalidInput("reconcile --adopt asks about each domain: run it on the store's machine, "
+                               "without --server", reasons=[{"field": "--server", "value": self.url}])
         if progress is not None:
             progress(self.url)
         return report_from_dict(self.request("POST", "/v1/reconcile", json={"fix": fix}).json())

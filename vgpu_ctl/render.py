@@ -96,11 +96,21 @@ class HostdevContext:
     pci: PciAddress | None
     display: bool = False
     ramfb: bool = False
+    gpu_pci: str | None = None  # where the claim is (the physical GPU and its position), kept in the metadata
+    start: int | None = None  # so that reconcile can adopt a domain a store lost
+    size: int | None = None
 
     def check(self) -> None:
         """Refuse a device the template cannot express."""
         check_text("device_id", self.device_id)
         check_text("profile", self.profile)
+        if self.gpu_pci is not None:
+            PciAddress.parse(self.gpu_pci)
+            for name in ("start", "size"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidInput(f"device {self.device_id!r}: {name} {value!r} is not a position",
+                                       reasons=[{"field": name, "value": repr(value)}])
         where = {"field": "device", "value": self.device_id}
         if self.backing is DeviceBacking.MIG:
             raise InvalidInput(f"device {self.device_id!r}: a bare MIG instance cannot be given to a VM; "
@@ -258,6 +268,55 @@ def read_hostdevs(xml: str) -> tuple[str, ...]:
             nums = [int(source.get(k) or "0", 0) for k in ("domain", "bus", "slot", "function")]
             out.append(f"{nums[0]:04x}:{nums[1]:02x}:{nums[2]:02x}.{nums[3]:x}")
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class ClaimedDevice:
+    """One device of a domain as its metadata records it: the claim's id, profile, backing, GPU and position,
+    and what the domain's XML hands the guest for it (an mdev UUID or a PCI address)."""
+
+    device_id: str
+    profile: str
+    backing: str
+    gpu_pci: str
+    start: int
+    size: int
+    host_ref: str
+
+
+@dataclass(frozen=True)
+class DomainClaim:
+    """What a domain vgpu-ctl wrote says of its VM: enough to claim it again in a store that lost it."""
+
+    vm_id: str
+    tenant: str
+    vcpus: int
+    memory_mib: int
+    devices: tuple[ClaimedDevice, ...]
+
+
+def read_claim(xml: str) -> DomainClaim | None:
+    """The VM and device positions recorded in a domain's metadata; None for a foreign domain or one written
+    without positions (by a vgpu-ctl before they were recorded, or by a template that leaves them out)."""
+    doc = parse_xml(xml)
+    vm = doc.find(f"metadata/{{{METADATA_NS}}}vm")
+    memory, vcpus = doc.find("memory"), doc.findtext("vcpu")
+    if vm is None or memory is None or vcpus is None:
+        return None
+    refs = read_hostdevs(xml)
+    devices = []
+    try:
+        for i, d in enumerate(vm.iterfind(f"{{{METADATA_NS}}}device")):
+            if d.get("gpu") is None or i >= len(refs):
+                return None
+            devices.append(ClaimedDevice(d.get("id", ""), d.get("profile", ""), d.get("backing", ""),
+                                         d.get("gpu", ""), int(d.get("start", "")), int(d.get("size", "")),
+                                         refs[i]))
+        scale = {"KiB": 1 / 1024, "MiB": 1, "GiB": 1024}.get(memory.get("unit", "KiB"), 0)
+        memory_mib = int(int(memory.text or "0") * scale)
+        return DomainClaim(vm.get("vm-id", ""), vm.get("tenant", ""), int(vcpus), memory_mib, tuple(devices))
+    except ValueError:
+        return None
 
 
 def read_metadata(xml: str) -> dict[str, str]:

@@ -340,28 +340,36 @@ def quota_set(tenant: str = TENANT_ARG, pool: str = typer.Option(None, help="Lim
 def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is safe to repair (asks before "
                                            "undefining a running domain the store does not know)."),
                   yes: bool = typer.Option(False, "--yes", "-y", help="With --fix: undefine such running domains "
-                                           "without asking."),
+                                           "(or with --adopt, adopt them) without asking."),
+                  adopt: bool = typer.Option(False, "--adopt", help="With --fix: offer to adopt each domain the "
+                                             "store does not know (claim its VM again as its metadata records)."),
                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """Compare store and hosts: orphan devices, unknown domains, lost VMs, stuck claims; repair with --fix."""
     fmt = out_format(as_json, output)
 
-    def ask(f: Any) -> bool:
+    def confirm(f: Any, question: str) -> bool:
         if yes:
             return True
         bar.stop()
-        err_console.print(f"{f.host}: domain {f.target} is running, but its VM is not in this store "
+        err_console.print(f"{f.host}: domain {f.target} belongs to a VM this store does not know "
                           "(another store's, or one restored from an older backup?)", markup=False)
         try:
-            answer = bool(typer.confirm("undefine it (destroying the running VM)?", default=False, err=True))
+            answer = bool(typer.confirm(question, default=False, err=True))
         except typer.Abort:
             answer = False
         bar.start()
         return answer
 
+    def ask(f: Any) -> bool:
+        return confirm(f, "undefine it (destroying the running VM)?")
+
+    def ask_adopt(f: Any) -> bool:
+        return confirm(f, "adopt it (claim its VM in this store, as it runs)?")
+
     with progress(disable=machine(fmt)) as bar:
         task = bar.add_task("reconciling hosts", total=None)
         report = run(fmt, lambda c: c.reconcile(fix=fix, progress=lambda h: bar.update(task, description=h),
-                                                confirm_undefine=ask))
+                                                confirm_undefine=ask, confirm_adopt=ask_adopt if adopt else None))
     if machine(fmt):
         emit(fmt, report.to_dict())
     else:

@@ -19,7 +19,7 @@ from vgpu_ctl.hosts.nodedev import (
     open_libvirt,
 )
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
-from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_hostdevs, read_metadata
+from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_claim, read_hostdevs, read_metadata
 
 PLACEMENT_ATTR = "vgpu-placement-id"
 
@@ -233,7 +233,8 @@ class LibvirtHost:
                     active = bool(dom.isActive())
                 except libvirt.libvirtError:
                     continue  # undefined while we were listing
-                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml), read_hostdevs(xml)))
+                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml), read_hostdevs(xml),
+                                      read_claim(xml)))
         return out
 
     def close(self) -> None:

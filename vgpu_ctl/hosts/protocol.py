@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from vgpu_ctl.core.backings import DeviceBacking as DeviceBacking  # its home is the core; re-exported
+from vgpu_ctl.render import DomainClaim
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class DomainInfo:
     active: bool
     metadata: dict[str, str] = field(default_factory=dict)  # vm_id, tenant, device ids ("" if foreign)
     hostdevs: tuple[str, ...] = ()  # what its XML takes: mdev UUIDs and PCI addresses, foreign domains' too
+    claim: DomainClaim | None = None  # the VM and device positions its metadata records (to adopt it)
 
 
 class HostDriver(Protocol):

@@ -25,7 +25,7 @@ import libvirt
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.nodedev import host_error, open_libvirt
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
-from vgpu_ctl.render import PciAddress, parse_xml, read_hostdevs, read_metadata
+from vgpu_ctl.render import PciAddress, parse_xml, read_claim, read_hostdevs, read_metadata
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0000:41:00.4)
@@ -190,7 +190,8 @@ class SimulatedHost:
     def list_domains(self) -> list[DomainInfo]:
         """Every domain recorded on this host, with the controller's metadata."""
         with self._state(write=False) as state:
-            return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]), read_hostdevs(d["xml"]))
+            return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]), read_hostdevs(d["xml"]),
+                               read_claim(d["xml"]))
                     for n, d in sorted(state["domains"].items())]
 
     def close(self) -> None:

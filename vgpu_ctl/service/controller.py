@@ -6,6 +6,7 @@ import json
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -13,13 +14,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from sqlalchemy import Integer, String, bindparam, cast, select
+from sqlalchemy import Integer, String, bindparam, cast, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.catalog import Catalog, ProfileInfo
 from vgpu_ctl.core.backings import backing_for
 from vgpu_ctl.core.placement import (
+    DevicePlacement,
     PlacementPlan,
     PlacementRequest,
     Policy,
@@ -70,6 +72,7 @@ from vgpu_ctl.service.requests import (
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
 
 if TYPE_CHECKING:
+    from vgpu_ctl.hosts.protocol import DomainInfo
     from vgpu_ctl.planning.demand import Demand
     from vgpu_ctl.planning.rebalance import RebalancePlan
     from vgpu_ctl.service.scheduling import Scheduling
@@ -842,6 +845,81 @@ class Controller:
                       req.memory_mib, delta["framebuffer_mib"], devices,
                       simulated=page.simulated.get(chosen.host_id, False), generation=1)
 
+    def adopt_domain(self, host: str, domain: DomainInfo) -> VmInfo:
+        """Claim again, in this store, the VM a vgpu-ctl domain on `host` records (tenant, size and each device's
+        GPU and position, as its metadata holds them), as it is on the host (running or stopped): for a domain
+        this store lost (restored from an older backup, or made by another store). Admin only, audited, in one
+        transaction; refused with nothing changed for a domain without positions in its metadata, a tenant or
+        GPU this store lacks, a VM id or name it has, a position now taken, a quota it would pass."""
+        self._admin("reconcile --adopt")
+        claim = domain.claim
+        where = [{"field": "domain", "value": domain.name}]
+        if claim is None or not claim.devices:
+            raise InvalidInput(f"domain {domain.name!r} records no device positions in its metadata (written by a "
+                               "vgpu-ctl before they were kept, or by a template without them): it cannot be "
+                               "adopted", reasons=where)
+        suffix = f"-{claim.vm_id[:8]}"
+        if not domain.name.endswith(suffix) or len(domain.name) == len(suffix):
+            raise InvalidInput(f"domain {domain.name!r} is not named NAME{suffix} as its VM id says", reasons=where)
+        profiles = tuple(d.profile for d in claim.devices)
+        wants = tuple(VgpuRequest(p, n) for p, n in Counter(profiles).items())
+        req = VmRequest(claim.tenant, domain.name[:-len(suffix)], wants, claim.vcpus, claim.memory_mib,
+                        vm_id=claim.vm_id)
+        req.validate()
+        with self.write_turn(), self.engine.connect() as conn, conn.begin():
+            t_id = self._tenant_id(conn, claim.tenant)
+            if conn.execute(select(VM.c.id).where(VM.c.id == claim.vm_id)).first() is not None:
+                raise Conflict(f"VM {claim.vm_id} of domain {domain.name!r} is already in this store", reasons=where)
+            gpus = {g.pci_address: g for g in conn.execute(
+                select(alloc.GPU).join(alloc.HOST, alloc.HOST.c.id == alloc.GPU.c.host_id)
+                .where(alloc.HOST.c.name == host))}
+            missing = sorted({d.gpu_pci for d in claim.devices} - set(gpus))
+            pool_ids = {gpus[d.gpu_pci].pool_id for d in claim.devices if d.gpu_pci in gpus}
+            if missing or len(pool_ids) != 1 or None in pool_ids:
+                raise InvalidInput(f"domain {domain.name!r}: its GPUs ({', '.join(d.gpu_pci for d in claim.devices)}) "
+                                   f"are not in one pool of host {host!r} in this store", reasons=where)
+            pool = next(p for p in _ALL_POOLS.rows(conn) if p.id in pool_ids)
+            names = {pool.id: pool.name}
+            page = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, None, names)
+            view = next((h for h in page.hosts if h.name == host), None)
+            if view is None:
+                raise InvalidInput(f"domain {domain.name!r}: host {host!r} has no GPU for {', '.join(profiles)}",
+                                   reasons=where)
+            occ = {g.gpu_id: g.occupancy for g in view.gpus}
+            placed = []
+            for d in claim.devices:
+                gid = gpus[d.gpu_pci].id
+                occ[gid] = occ[gid].add(d.profile, d.start)  # InvalidInput when taken or not offered there
+                placed.append(DevicePlacement(gid, d.profile, d.start, d.size))
+            chosen = PlacementPlan(view.host_id, host, tuple(placed), {d.gpu_id: occ[d.gpu_id] for d in placed})
+            delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": sum(self._framebuffer(p) for p in profiles),
+                     "vcpus": req.vcpus, "memory_mib": req.memory_mib}
+            charges = self._scoped_charges(pool.name, delta, profiles)
+            has_scoped = alloc.charge_tenant(conn, t_id, delta)
+            failed = alloc.charge_scoped(conn, t_id, charges) if has_scoped else []
+            if has_scoped is None or failed:
+                raise alloc.quota_refusal(conn, t_id, req.tenant, delta if has_scoped is None else {}, failed or [],
+                                          charges)
+            if not isinstance(self._commit_claim(conn, t_id, req, pool, chosen, page, delta, charges, False), VmInfo):
+                raise AssertionError("a claim that is not a dry run returns the VM")
+            rows = conn.execute(select(alloc.DEVICE.c.id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start)
+                                .where(alloc.DEVICE.c.vm_id == claim.vm_id)).all()
+            by_position = {(r.gpu_id, r.start): r.id for r in rows}
+            for d in claim.devices:  # the devices exist on the host: recorded as the domain has them
+                mdev = "-" in d.host_ref
+                handle = {"backing": d.backing, "uuid": d.host_ref if mdev else None,
+                          "pci_address": None if mdev else d.host_ref, "gpu_instance_id": None}
+                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == by_position[(gpus[d.gpu_pci].id,
+                                                                                          d.start)])
+                             .values(id=d.device_id, uuid=d.host_ref if mdev else d.device_id, state="ready",
+                                     handle=handle))
+            conn.execute(update(VM).where(VM.c.id == claim.vm_id).values(
+                state=(VmState.RUNNING if domain.active else VmState.STOPPED).value, domain_uuid=domain.uuid,
+                lease_holder=None, lease_expires=None))
+            record(conn, self.principal.actor, "vm.adopt", f"vm:{claim.vm_id}", tenant=claim.tenant,
+                   params={"name": req.name, "host": host, "domain": domain.name, "active": domain.active})
+        return self.get_vm(claim.vm_id)
+
     def _vm_row(self, conn: Connection, ref: str) -> Any:
         q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id)
         cond = VM.c.id == ref
@@ -1036,13 +1114,16 @@ class Controller:
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
 
     def reconcile(self, fix: bool = False, progress: Any = None,
-                  confirm_undefine: Callable[[Any], bool] | None = None) -> Any:
+                  confirm_undefine: Callable[[Any], bool] | None = None,
+                  confirm_adopt: Callable[[Any], bool] | None = None) -> Any:
         """Compare store and hosts (orphan devices, unknown domains, lost VMs, interrupted requests: those no
-        process holds a lease on); repair with fix (a running domain of a VM the store does not know only when
-        `confirm_undefine(finding)` says yes)."""
+        process holds a lease on); repair with fix (a domain of a VM the store does not know is adopted when
+        `confirm_adopt(finding)` says yes, else a running one undefined only when `confirm_undefine(finding)`
+        says yes)."""
         self._admin("reconcile")
         from vgpu_ctl.service.reconcile import reconcile
-        return reconcile(self, fix=fix, progress=progress, confirm_undefine=confirm_undefine)
+        return reconcile(self, fix=fix, progress=progress, confirm_undefine=confirm_undefine,
+                         confirm_adopt=confirm_adopt)
 
 
 __all__ = ["BASE_RESOURCES", "Controller", "Principal", "hash_token"]

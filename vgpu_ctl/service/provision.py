@@ -7,6 +7,7 @@ state that `reconcile` can finish or roll back. A failed step undoes what the re
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
@@ -304,11 +305,14 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False, genera
                params={"name": vm.name, "force": force})
 
 
-def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
-    """The validated domain XML of a VM."""
+def render_vm(ctl: Controller, conn: Connection, vm_id: str, only: Collection[str] | None = None) -> str:
+    """The validated domain XML of a VM (with `only`, with those of its devices only: a VM being moved holds its
+    old devices and its new ones)."""
     from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress
 
     vm, _host, devs = _load(ctl, conn, vm_id)
+    if only is not None:
+        devs = [d for d in devs if d.id in only]
     tenant = _tenant_name(conn, vm)
     hostdevs = []
     for d in devs:
@@ -320,7 +324,7 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str) -> str:
         hostdevs.append(HostdevContext(device_id=d.id, profile=d.profile, backing=backing,
                                        uuid=handle.get("uuid") or d.uuid,
                                        pci=PciAddress.parse(pci) if pci and backing is not DeviceBacking.MDEV
-                                       else None))
+                                       else None, gpu_pci=d.pci_address, start=d.start, size=d.size))
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     images = ctl.state_path / "images"
     ctx = DomainContext(name=domain_name(vm), uuid=vm.id, tenant=str(tenant), vm_id=vm.id, vcpus=vm.vcpus,

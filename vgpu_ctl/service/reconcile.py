@@ -29,19 +29,21 @@ if TYPE_CHECKING:
 
 
 def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
-              confirm_undefine: Callable[[Finding], bool] | None = None) -> ReconcileReport:
-    """Compare every host with the store; with `fix`, repair what is safe to repair. A running domain of a VM
-    the store does not know is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
+              confirm_undefine: Callable[[Finding], bool] | None = None,
+              confirm_adopt: Callable[[Finding], bool] | None = None) -> ReconcileReport:
+    """Compare every host with the store; with `fix`, repair what is safe to repair. A domain of a VM the store
+    does not know is adopted (claimed again as its metadata records it) when `confirm_adopt(finding)` says
+    yes; else a running one is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
     report = ReconcileReport()
     with ctl.engine.connect() as conn:
         hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
         vms = conn.execute(select(VM)).all()
-        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id)
-                               .where(alloc.DEVICE.c.backing != "pci")).all()  # passthrough: nothing to lose
-    store_uuids = {d.uuid: d.vm_id for d in devices}
-    uuids_of: dict[str, set[str]] = {}  # per VM, its devices' uuids (grouped once, not scanned once per VM)
+        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id, alloc.DEVICE.c.backing)).all()
+    store_uuids = {d.uuid: d.vm_id for d in devices}  # every claimed device: none of them is an orphan
+    uuids_of: dict[str, set[str]] = {}  # per VM, the devices a host must show (grouped once, not per VM)
     for dev in devices:
-        uuids_of.setdefault(dev.vm_id, set()).add(dev.uuid)
+        if dev.backing != "pci":  # a passthrough GPU is not a device a host makes: it cannot go missing
+            uuids_of.setdefault(dev.vm_id, set()).add(dev.uuid)
     vm_ids = {v.id for v in vms}
     vms_on: dict[int, list[Any]] = {}  # by host: one pass over the VMs, not one per host
     for v in vms:
@@ -69,7 +71,15 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
             elif vm_id not in vm_ids:
                 f = Finding("unknown-domain", host.name, d.name, f"vgpu-ctl domain of VM {vm_id} the store "
                                                                  "does not know", action="undefine domain")
-                if fix and d.active and (confirm_undefine is None or not confirm_undefine(f)):
+                if fix and d.claim is not None and confirm_adopt is not None and confirm_adopt(f):
+                    f.action = "adopt VM"
+                    try:
+                        adopted = ctl.adopt_domain(host.name, d)
+                        store_uuids.update({dev.uuid: adopted.id for dev in adopted.devices})
+                        f.fixed = True
+                    except Exception as exc:  # refused (quota, a position taken...): reported, nothing changed
+                        f.error = str(exc)
+                elif fix and d.active and (confirm_undefine is None or not confirm_undefine(f)):
                     f.action = "left running (not confirmed)"
                 elif fix:
                     _try(f, partial(driver.undefine_domain, d.name))
