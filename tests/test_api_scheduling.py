@@ -123,9 +123,9 @@ def test_a_high_priority_request_preempts_then_the_victim_comes_back(shared_serv
     counts = http.get("/v1/scheduling/preemptions", headers=admin).json()
     assert {"reason": "capacity", "mode": "requeue", "count": 1} in counts
     metrics = http.get("/metrics", headers=admin).text
-    assert 'vgpu_preemptions_total{mode="requeue",reason="capacity"}' in metrics
-    assert 'vgpu_queue_length{priority_class="batch"} 1.0' in metrics
-    assert 'vgpu_queue_oldest_wait_seconds{priority_class="batch"}' in metrics
+    assert 'vgpuctl_preemptions_total{mode="requeue",reason="capacity"}' in metrics
+    assert 'vgpuctl_queue_length{priority_class="batch"} 1.0' in metrics
+    assert 'vgpuctl_queue_oldest_wait_seconds{priority_class="batch"}' in metrics
 
     gone = http.delete(f"/v1/vms/{high.json()['id']}", params={"wait": "30s"}, headers=globex)
     assert gone.status_code == 200, gone.text

@@ -56,13 +56,13 @@ def test_new_host_admits_the_queue(ctl: Controller, tmp_path: Path) -> None:
     op = _whole(ctl, "acme", "b", queue=True)
     assert isinstance(op, OperationInfo) and op.state == "pending"
     text = _metrics(ctl)
-    assert 'vgpu_queue_length{priority_class="std"} 1.0' in text
-    assert "vgpu_queue_oldest_wait_seconds" in text
+    assert 'vgpuctl_queue_length{priority_class="std"} 1.0' in text
+    assert "vgpuctl_queue_oldest_wait_seconds" in text
     ctl.apply_inventory(write_inventory(tmp_path, EXTRA_HOST))  # a new host: what waits is admitted
     assert ctl.scheduling.queue() == []
     assert ctl.get_vm("acme/b").host == "kvm-a100-02"
     assert ctl.get_operation(op.id).state == "succeeded"
-    assert "vgpu_queue_length{" not in _metrics(ctl)
+    assert "vgpuctl_queue_length{" not in _metrics(ctl)
 
 
 def test_preemption_metric_by_reason(ctl: Controller) -> None:
@@ -72,8 +72,8 @@ def test_preemption_metric_by_reason(ctl: Controller) -> None:
     _whole(ctl, "acme", "low", priority="batch")
     _whole(ctl, "acme", "high", priority="prod")
     text = _metrics(ctl)
-    assert 'vgpu_preemptions_total{mode="requeue",reason="capacity"} 1.0' in text
-    assert 'vgpu_queue_length{priority_class="batch"} 1.0' in text
+    assert 'vgpuctl_preemptions_total{mode="requeue",reason="capacity"} 1.0' in text
+    assert 'vgpuctl_queue_length{priority_class="batch"} 1.0' in text
 
 
 def test_tenant_sees_only_its_own_queue(ctl: Controller) -> None:

@@ -16,13 +16,13 @@ if TYPE_CHECKING:
 
 
 def collect(ctl: Controller) -> list[Metric]:
-    """`vgpu_preemptions_total{reason,mode}`, `vgpu_queue_length{priority_class}` and
-    `vgpu_queue_oldest_wait_seconds{priority_class}`."""
-    preemptions = CounterMetricFamily("vgpu_preemptions", "VMs preempted, by reason and mode",
+    """`vgpuctl_preemptions_total{reason,mode}`, `vgpuctl_queue_length{priority_class}` and
+    `vgpuctl_queue_oldest_wait_seconds{priority_class}` (the prefix of every metric of ops.metrics)."""
+    preemptions = CounterMetricFamily("vgpuctl_preemptions", "VMs preempted, by reason and mode",
                                       labels=["reason", "mode"])
-    length = GaugeMetricFamily("vgpu_queue_length", "Requests waiting for capacity, by priority class",
+    length = GaugeMetricFamily("vgpuctl_queue_length", "Requests waiting for capacity, by priority class",
                                labels=["priority_class"])
-    oldest = GaugeMetricFamily("vgpu_queue_oldest_wait_seconds",
+    oldest = GaugeMetricFamily("vgpuctl_queue_oldest_wait_seconds",
                                "How long the oldest waiting request of each priority class has waited",
                                labels=["priority_class"])
     now = time.time()
