@@ -236,3 +236,27 @@ def test_the_client_has_the_controllers_scheduling(shared_server: RunningServer,
         assert admin.scheduling.settings()["grace_s"] == 0
         assert isinstance(admin.scheduling.preemption_counts(), dict)
         acme.release_vm(first.id)
+
+
+def test_a_queued_create_run_again_after_a_crash_queues_once(ctl: Any) -> None:
+    """The worker's operation, run a second time (its first taker died after queueing it), finds the queued
+    request instead of queueing another; without queue nothing is looked up."""
+    from types import SimpleNamespace
+
+    from sqlalchemy import select
+
+    from vgpu_ctl.service import operations as ops
+    ctl.create_tenant("acme")
+    ctl.request_vm("acme", "holds", WHOLE, vcpus=4, memory_mib=8192, pool="training")
+    info = ctl.submit_vm_create("acme", "waits", [(WHOLE, 1)], vcpus=4, memory_mib=8192, pool="training",
+                                queue=True, queue_deadline_s=600, holder="worker-1", lease_seconds=30)
+    assert ctl.run_operation(info.id, "worker-1", 30)
+    first = ctl.get_operation(info.id)
+    assert first.state == "succeeded" and first.result is not None
+    queued_id = first.result["queued"]["id"]
+    with ctl.engine.connect() as conn:
+        row = conn.execute(select(ops.OPERATION).where(ops.OPERATION.c.id == info.id)).one()
+    again = SimpleNamespace(**{**row._mapping, "attempts": 2})
+    vm_id, result, error = ops.execute(ctl, again)
+    assert (vm_id, error) == (None, None) and result is not None and result["queued"]["id"] == queued_id
+    assert [q["operation"] for q in ctl.scheduling.queue()] == [queued_id]

@@ -142,6 +142,19 @@ def principal_of(conn: Connection, row: Any) -> Principal:
     return Principal(row.actor, role=row.role)
 
 
+def _queued_before(ctl: Controller, row: Any, name: str) -> OperationInfo | None:
+    """The queued request an earlier attempt of this create made, if any: a vm.create of the same tenant and
+    VM name enqueued since this operation was submitted (a queued request's own request carries `deadline`)."""
+    with ctl.engine.connect() as conn:
+        rows = conn.execute(select(OPERATION).where(
+            OPERATION.c.kind == "vm.create", OPERATION.c.tenant_id == row.tenant_id, OPERATION.c.id != row.id,
+            OPERATION.c.created_at >= row.created_at).order_by(OPERATION.c.created_at)).all()
+        for r in rows:
+            if r.request.get("name") == name and "deadline" in r.request:
+                return _info(conn, r)
+    return None
+
+
 def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
     """Do what the operation asks, as the principal who asked (`ctl` acts for it): (vm_id, result, error).
     A create is made idempotent by the operation's id, so running it again after a crash finishes the same VM
@@ -149,13 +162,17 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
     machine, until its lease runs out) the create waits and tries again, so that it ends with the VM running,
     not half made. A create asked with `queue` that does not fit ends succeeded with the result
     `{"queued": OPERATION}`: the queued request's own operation, which ends when it is admitted (or cancelled, or
-    past its deadline). A delete of a VM that is gone has done its work."""
+    past its deadline); run again after a crash, it finds the queued request the first attempt made rather than
+    queueing a second one. A delete of a VM that is gone has done its work."""
     req = dict(row.request)
     try:
         if row.kind == "vm.create":
             key = req.pop("idempotency_key", None) or f"op-{row.id}"
             tenant, name = req.pop("tenant"), req.pop("name")
             vgpus = [(v["profile"], v["count"]) for v in req.pop("vgpus")]
+            earlier = _queued_before(ctl, row, name) if req.get("queue") and row.attempts > 1 else None
+            if earlier is not None:  # a first attempt queued it, then died before finishing: not twice
+                return None, {"queued": earlier.to_dict()}, None
             vm = ctl.request_vm(tenant, name, vgpus, idempotency_key=key, **req)
             if isinstance(vm, OperationInfo):  # it did not fit and waits in the queue: point at its operation
                 return None, {"queued": vm.to_dict()}, None
