@@ -14,6 +14,7 @@ from vgpu_ctl.cli.common import (
     OUTPUT_OPT,
     STATE,
     Output,
+    confirm,
     console,
     emit,
     fail,
@@ -25,9 +26,10 @@ from vgpu_ctl.cli.common import (
     print_table,
     remote,
 )
-from vgpu_ctl.errors import InvalidInput
+from vgpu_ctl.errors import Conflict, HostError, InvalidInput
 
 GOALS = ("free-gpus", "free-hosts", "advised")
+ERRORS = {Conflict.code: Conflict.exit_code, HostError.code: HostError.exit_code}  # a failed move's exit code
 
 
 def _table(data: dict[str, Any], fmt: Output) -> None:
@@ -99,9 +101,10 @@ def rebalance_cmd(
             ctl.close()
     if machine(fmt):
         emit(fmt, data)
-        return
-    if not apply:
+    elif not apply:
         _table(data, fmt)
+    if apply and data.get("failed"):
+        raise typer.Exit(ERRORS.get(data["failed"]["code"], 1))
 
 
 def _apply(ctl: Any, result: Any, data: dict[str, Any], yes: bool, fmt: Output) -> dict[str, Any]:
@@ -110,11 +113,8 @@ def _apply(ctl: Any, result: Any, data: dict[str, Any], yes: bool, fmt: Output) 
     if not yes:
         if not machine(fmt):
             _table(data, fmt)
-        answer = typer.prompt(f"carry out these {len(result.moves)} moves, one at a time? [y/N]", default="",
-                              show_default=False, err=True)
-        if answer.strip().lower() not in ("y", "yes"):
-            raise InvalidInput("not confirmed: nothing moved (field yes; --yes to skip the question)",
-                               reasons=[{"field": "yes"}])
+        confirm(f"carry out these {_n(len(result.moves), 'move')}, one at a time (each VM stopped, moved and "
+                "started again)?", fmt)
     report = ctl.rebalance_apply(result.moves)
     if not machine(fmt):
         for r in report["applied"]:

@@ -3,18 +3,25 @@ the moves of a plan carried out one at a time, each audited (`vm.move`) and undo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.engine import Connection
 
-from vgpu_ctl.core.vm_state import HOLDS_CLAIM, LIVE
-from vgpu_ctl.errors import InvalidInput, PermissionDenied
+from vgpu_ctl.core.backings import backing_for
+from vgpu_ctl.core.placement import DevicePlacement, PlacementPlan
+from vgpu_ctl.core.vm_state import HOLDS_CLAIM, LIVE, VmState
+from vgpu_ctl.errors import Conflict, HostError, InvalidInput, PermissionDenied, VgpuCtlError
 from vgpu_ctl.planning.fleet import Fleet
-from vgpu_ctl.planning.rebalance import Goal, PlanDevice, PlanVm, RebalancePlan, make_rebalance
+from vgpu_ctl.planning.rebalance import Goal, Move, PlanDevice, PlanVm, RebalancePlan, make_rebalance
 from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
 from vgpu_ctl.service.inventory_apply import POOL
+from vgpu_ctl.service.leases import Renewal, new_holder, take
 from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.store.models import utcnow
 
 if TYPE_CHECKING:
     from vgpu_ctl.planning.demand import Demand
@@ -87,4 +94,231 @@ def plan_dict(plan: RebalancePlan, source: str = "") -> dict[str, Any]:
     return {"fleet": source or plan.before.source, **plan.to_dict()}
 
 
-__all__ = ["advised_targets", "plan_dict", "plan_rebalance", "store_vms"]
+__all__ = ["advised_targets", "apply_moves", "move_vm", "plan_dict", "plan_rebalance", "store_vms"]
+
+
+# -- carrying a plan out ------------------------------------------------------------------------------------------
+
+def _side(host: str, devs: Sequence[PlanDevice]) -> dict[str, Any]:
+    return {"host": host, "devices": [{"pci": d.pci, "profile": d.profile, "start": d.start} for d in devs]}
+
+
+def _words(host: str, devs: Sequence[PlanDevice]) -> str:
+    return f"{host} " + " ".join(d.text() for d in devs)
+
+
+def apply_moves(ctl: Controller, moves: Sequence[Move]) -> dict[str, Any]:
+    """Carry the moves out in order, one at a time (`move_vm`); at the first that fails (undone: its VM runs
+    where it was) stop, as the later moves were planned on the fleet the failed one would have left. Admin only.
+    Returns the moves done, the one that failed (or None) and how many were not tried."""
+    _admin(ctl, "rebalance --apply")
+    applied: list[dict[str, Any]] = []
+    for n, m in enumerate(moves):
+        try:
+            move_vm(ctl, m)
+        except VgpuCtlError as exc:
+            return {"applied": applied, "failed": {"vm": m.vm, "name": m.name, "tenant": m.tenant,
+                                                   "error": exc.message, "code": exc.code},
+                    "not_tried": len(moves) - n - 1, "done": False}
+        applied.append({"vm": m.vm, "name": m.name, "tenant": m.tenant, "from": _words(m.from_host, m.from_devices),
+                        "to": _words(m.to_host, m.to_devices)})
+    return {"applied": applied, "failed": None, "not_tried": 0, "done": True}
+
+
+def _devices(conn: Connection, vm_id: str) -> list[Any]:
+    return list(conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model,
+                                    alloc.GPU.c.mode.label("gpu_mode"))
+                             .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
+                             .where(alloc.DEVICE.c.vm_id == vm_id).order_by(alloc.DEVICE.c.id)).all())
+
+
+def _check_from(vm: Any, host: Any, devs: Sequence[Any], m: Move) -> None:
+    now = tuple(sorted(PlanDevice(d.pci_address, d.profile, d.start, d.size) for d in devs))
+    if vm.state not in LIVE or host.name != m.from_host or now != tuple(sorted(m.from_devices)):
+        raise Conflict(f"VM {m.tenant}/{m.name} changed since the plan was made (it is {vm.state} on {host.name}); "
+                       "plan again", reasons=[{"vm": m.vm, "state": vm.state, "host": host.name}])
+
+
+def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Move) -> tuple[Any, list[str]]:
+    """Claim the move's new positions for the VM beside its old ones (inside the caller's transaction): the
+    new host's vCPUs and memory when it is another host, each GPU's positions by compare-and-set, and device
+    rows. Quota is not charged: the VM's charge moves with it. Conflict when a position is taken or not allowed
+    there, or the host lacks room."""
+    new_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == m.to_host)).first()
+    if new_host is None:
+        raise Conflict(f"host {m.to_host} is gone; plan again", reasons=[{"host": m.to_host}])
+    gpus = {g.pci_address: g for g in conn.execute(select(alloc.GPU).where(alloc.GPU.c.host_id == new_host.id))}
+    placed: list[DevicePlacement] = []
+    occs: dict[int, Any] = {}
+    rows: dict[int, Any] = {}
+    for d in m.to_devices:
+        g = gpus.get(d.pci)
+        if g is None or g.pool_id != vm.pool_id:
+            raise Conflict(f"GPU {m.to_host}/{d.pci} is not in the VM's pool; plan again",
+                           reasons=[{"gpu": f"{m.to_host}/{d.pci}"}])
+        rows[g.id] = g
+        occ = occs.get(g.id) or alloc.occupancy_of(ctl.catalog, g._mapping)
+        why = occ.check(d.profile, d.start)
+        if why is not None:
+            raise Conflict(f"{d.profile} at {d.start} on {m.to_host}/{d.pci} no longer fits ({why}); plan again",
+                           reasons=[{"gpu": f"{m.to_host}/{d.pci}", "reason": str(why)}])
+        occs[g.id] = occ.placed(d.profile, d.start)
+        placed.append(DevicePlacement(g.id, d.profile, d.start, occs[g.id].geometry.shapes[d.profile].size))
+    try:
+        if new_host.id != old_host.id:
+            alloc.claim_host(conn, new_host.id, vm.vcpus, vm.memory_mib)
+        for gid in sorted(occs):  # GPU rows in id order, as claims lock them
+            alloc.write_gpu(conn, gid, rows[gid].version, occs[gid])
+    except alloc.ClaimConflict:
+        raise Conflict(f"host {m.to_host} changed (no room for VM {m.name}, or a GPU was claimed meanwhile); "
+                       "plan again", reasons=[{"host": m.to_host}]) from None
+    chosen = PlacementPlan(new_host.id, new_host.name, tuple(placed), occs)
+    backing = {d.gpu_id: backing_for(occs[d.gpu_id].geometry.shapes[d.profile].kind.value,
+                                     new_host.vgpu_backing).value for d in placed}
+    made = alloc.insert_devices(conn, ctl.catalog, vm.id, chosen, backing)
+    return new_host, [r["id"] for r in made]
+
+
+def move_vm(ctl: Controller, m: Move) -> None:
+    """Move one VM as the plan says, under its lease: stop it (gracefully, then forced after the grace period),
+    claim the new positions beside the old ones, create its devices and define its domain there, start it (when
+    it was running), then free the old claim (host side, then store) and record `vm.move` with from and to.
+    If a step before the start fails, what the new place got is undone, the old claim is kept, the VM is started
+    where it was, `vm.move` is recorded as failed, and HostError (Conflict when the store changed) is raised."""
+    from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
+    from vgpu_ctl.service.scheduling import grace_stop, settings
+
+    holder = new_holder()
+    with ctl.tx() as conn:
+        vm = take(conn, m.vm, holder, LIVE, what="move")
+        if vm is None:
+            raise Conflict(f"VM {m.tenant}/{m.name} is gone or busy; plan again", reasons=[{"vm": m.vm}])
+        old_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).one()
+        old_devs = _devices(conn, vm.id)
+        _check_from(vm, old_host, old_devs, m)  # raised here, the lease is not taken (the transaction rolls back)
+        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        grace_s = settings(conn)["grace_s"]
+    name = domain_name(vm)
+    was_running = vm.state == VmState.RUNNING
+    old_driver = ctl.hosts.get(old_host)
+    new_host: Any = None
+    new_ids: list[str] = []
+    ready: list[Any] = []
+    tried = defined = started = False
+    with Renewal(ctl, vm.id, holder):
+        try:
+            if was_running:
+                grace_stop(ctl, old_host, name, grace_s)
+            with ctl.tx() as conn:
+                new_host, new_ids = _claim_new(ctl, conn, vm, old_host, m)
+            new_driver = ctl.hosts.get(new_host)
+            with ctl.engine.connect() as conn:
+                new_devs = [d for d in _devices(conn, vm.id) if d.id in new_ids]
+            for dev in new_devs:
+                spec = device_spec(ctl, dev)
+                handle = new_driver.create_device(spec)
+                ready.append(dev)
+                with ctl.tx() as conn:
+                    conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id).values(
+                        state="ready", handle={"backing": handle.backing.value, "uuid": handle.uuid,
+                                               "pci_address": handle.pci_address,
+                                               "gpu_instance_id": handle.gpu_instance_id}))
+            with ctl.engine.connect() as conn:
+                xml = render_vm(ctl, conn, vm.id, only=new_ids)
+            tried = True  # another host may hold a domain from here on (undone by undefining it there)
+            dom_uuid = new_driver.define_domain(xml)
+            defined = True  # on the same host, the old definition is replaced from here on
+            if was_running:
+                started = True
+                new_driver.start_domain(name)
+        except Exception as exc:
+            error = exc.message if isinstance(exc, VgpuCtlError) else f"{type(exc).__name__}: {exc}"
+            notes = _undo_move(ctl, vm, old_host, new_host, new_ids, ready, (tried, defined, started),
+                               was_running, holder)
+            with ctl.tx() as conn:
+                record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, result="failed",
+                       error=error + ("; undo: " + "; ".join(notes) if notes else ""),
+                       params={"name": vm.name, "from": _side(m.from_host, m.from_devices),
+                               "to": _side(m.to_host, m.to_devices), "frees": m.frees})
+            if isinstance(exc, Conflict):
+                raise
+            raise HostError(f"moving VM {m.tenant}/{m.name} to {m.to_host} failed and was undone (it is "
+                            f"{'running' if was_running else 'stopped'} where it was): {error}",
+                            reasons=[{"vm": m.vm, "host": m.to_host}]) from exc
+        # The VM runs at its new place: the old claim goes, host side first (errors noted, nothing undone).
+        errors = []
+        if new_host.id != old_host.id:
+            try:
+                old_driver.undefine_domain(name)
+            except Exception as exc:
+                errors.append(f"undefine domain on {old_host.name}: {exc}")
+        for dev in old_devs:
+            try:
+                old_driver.remove_device(device_spec(ctl, dev))
+            except Exception as exc:
+                errors.append(f"remove device {dev.uuid}: {exc}")
+        with ctl.tx() as conn:
+            alloc.free_devices(conn, ctl.catalog, [d._mapping for d in old_devs])
+            if new_host.id != old_host.id:
+                alloc.release_host(conn, old_host.id, vm.vcpus, vm.memory_mib)
+            conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
+                host_id=new_host.id, domain_uuid=dom_uuid, lease_holder=None, lease_expires=None,
+                updated_at=utcnow()))
+            record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant,
+                   error="; ".join(errors) or None,
+                   params={"name": vm.name, "from": _side(m.from_host, m.from_devices),
+                           "to": _side(m.to_host, m.to_devices), "frees": m.frees, "running": was_running})
+
+
+def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: Sequence[str], ready: Sequence[Any],
+               steps: tuple[bool, bool, bool], was_running: bool, holder: str) -> list[str]:
+    """Take back what a failed move gave the new place (domain, devices, claim) and start the VM where it was;
+    `steps`: whether the new domain's definition was tried, done, and its start tried. What could not be done,
+    in words (each step still tried)."""
+    from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
+
+    notes: list[str] = []
+    name = domain_name(vm)
+    if new_host is not None:
+        new_driver = ctl.hosts.get(new_host)
+        same = new_host.id == old_host.id
+        tried, defined, started = steps
+        if started:
+            try:
+                new_driver.stop_domain(name, force=True)
+            except Exception as exc:
+                notes.append(f"stop on {new_host.name}: {exc}")
+        if (defined and same) or (tried and not same):
+            try:
+                if same:  # the same domain: its old definition back
+                    with ctl.engine.connect() as conn:
+                        old_ids = [d.id for d in _devices(conn, vm.id) if d.id not in new_ids]
+                        xml = render_vm(ctl, conn, vm.id, only=old_ids)
+                    new_driver.define_domain(xml)
+                else:
+                    new_driver.undefine_domain(name)
+            except Exception as exc:
+                notes.append(f"domain on {new_host.name}: {exc}")
+        for dev in ready:
+            try:
+                new_driver.remove_device(device_spec(ctl, dev))
+            except Exception as exc:
+                notes.append(f"remove device {dev.uuid} on {new_host.name}: {exc}")
+        if new_ids:
+            with ctl.tx() as conn:
+                rows = [d._mapping for d in _devices(conn, vm.id) if d.id in new_ids]
+                alloc.free_devices(conn, ctl.catalog, rows)
+                if not same:
+                    alloc.release_host(conn, new_host.id, vm.vcpus, vm.memory_mib)
+    if was_running:
+        try:
+            ctl.hosts.get(old_host).start_domain(name)
+        except Exception as exc:
+            notes.append(f"start on {old_host.name}: {exc}")
+    with ctl.tx() as conn:
+        state = vm.state
+        if was_running and notes and notes[-1].startswith("start on"):
+            state = VmState.STOPPED.value
+        conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
+            state=state, lease_holder=None, lease_expires=None, updated_at=utcnow()))
+    return notes

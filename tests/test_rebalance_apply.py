@@ -1,0 +1,317 @@
+"""vgpuctl rebalance --apply: moves carried out one at a time on simulated hosts, each audited (vm.move with from
+and to), quota unchanged, the store's invariants kept; a failed move leaves its VM running where it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import Cli, check_store_invariants, store_snapshot, write_inventory
+from vgpu_ctl import Controller
+from vgpu_ctl.hosts.protocol import DeviceHandle, DeviceSpec
+from vgpu_ctl.hosts.simulated import SimulatedHost
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.hosts import HostFactory
+
+TWO_HOSTS = """
+pools:
+  - {name: ws, policy: spread}
+hosts:
+  - name: sim-a
+    uri: "simulated:///sim-a"
+    driver: simulated
+    vcpus: 32
+    memory_mib: 131072
+    gpus:
+      - {pci: "0000:17:00.0", model: L40S, mode: vgpu-mixed, pool: ws}
+  - name: sim-b
+    uri: "simulated:///sim-b"
+    driver: simulated
+    vcpus: 32
+    memory_mib: 131072
+    gpus:
+      - {pci: "0000:17:00.0", model: L40S, mode: vgpu-mixed, pool: ws}
+"""
+
+
+class FailingHost(SimulatedHost):
+    """A simulated host that raises at one step, the first time it is taken."""
+
+    def __init__(self, name: str, state_dir: Path, step: str) -> None:
+        super().__init__(name, state_dir)
+        self.step, self.failed = step, False
+
+    def _maybe_fail(self, step: str) -> None:
+        if step == self.step and not self.failed:
+            self.failed = True
+            raise RuntimeError(f"injected failure at {step}")
+
+    def create_device(self, spec: DeviceSpec) -> DeviceHandle:
+        self._maybe_fail("create_device")
+        return super().create_device(spec)
+
+    def define_domain(self, xml: str) -> str:
+        self._maybe_fail("define_domain")
+        return super().define_domain(xml)
+
+    def start_domain(self, name: str) -> None:
+        self._maybe_fail("start_domain")
+        super().start_domain(name)
+
+
+class FailingFactory(HostFactory):
+    """Hosts as usual, but `host` fails at `step`."""
+
+    def __init__(self, state_path: Path, host: str, step: str) -> None:
+        super().__init__(state_path)
+        self.host, self.step = host, step
+
+    def _open(self, host: Any) -> Any:
+        if host.name == self.host:
+            return FailingHost(host.name, self.state_path / "hosts", self.step)
+        return super()._open(host)
+
+
+def usage(c: Controller) -> list[dict[str, Any]]:
+    """Every tenant's usage columns (global and scoped)."""
+    with c.engine.connect() as conn:
+        tenants = [dict(r._mapping) for r in conn.execute(alloc.TENANT.select().order_by(alloc.TENANT.c.id))]
+        scoped = [dict(r._mapping) for r in conn.execute(alloc.SCOPED.select().order_by(alloc.SCOPED.c.id))]
+    for t in tenants:
+        t.pop("generation", None)
+        t.pop("updated_at", None)
+    return tenants + scoped
+
+
+def on_host(c: Controller, host: str) -> tuple[set[str], dict[str, bool]]:
+    """The device uuids and the domains (name -> running) a simulated host has."""
+    with c.engine.connect() as conn:
+        row = conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == host)).one()
+    driver = c.hosts.get(row)
+    return {d.uuid for d in driver.list_devices()}, {d.name: d.active for d in driver.list_domains()}
+
+
+def vm_devices(c: Controller, name: str) -> list[tuple[str, str, int]]:
+    """A VM's (host/pci, profile, start)."""
+    return sorted((d.gpu, d.profile, d.start) for d in c.get_vm(f"acme/{name}").devices)
+
+
+def test_apply_on_the_demo_moves_one_vm_with_an_event(cli: Cli) -> None:
+    for n in range(3):
+        cli.json("vm", "create", "--tenant", "acme", "--name", f"w{n}", "--profile", "L40S-8C", "--vcpus", "4",
+                 "--memory", "16GiB", "--pool", "workstations")
+    plan = cli.json("rebalance", "--plan")
+    (move,) = plan["moves"]
+    with Controller(cli.url) as c:
+        before_usage = usage(c)
+        before_sums = check_store_invariants(c.engine)
+        old_uuids = {d.uuid for d in c.get_vm(move["vm"]).devices}
+    out = cli.json("rebalance", "--apply", "--yes")
+    assert out["done"] and [a["vm"] for a in out["applied"]] == [move["vm"]]
+    with Controller(cli.url) as c:
+        vm = c.get_vm(move["vm"])
+        assert vm.state == "running"
+        (dev,) = vm.devices
+        to = move["to"]["devices"][0]
+        assert (dev.gpu, dev.profile, dev.start) == (f"kvm-l40s-01/{to['pci']}", to["profile"], to["start"])
+        assert usage(c) == before_usage  # a move charges nothing
+        assert check_store_invariants(c.engine) == before_sums
+        uuids, domains = on_host(c, "kvm-l40s-01")
+        assert dev.uuid in uuids and not old_uuids & uuids  # the old mdev is gone, the new one exists
+        assert sum(domains.values()) == 3
+        assert c.reconcile().findings == []
+        ev = [e for e in c.events() if e["action"] == "vm.move"]
+        assert len(ev) == 1 and ev[0]["result"] == "ok"
+        assert ev[0]["params"]["from"] == {"host": "kvm-l40s-01", "devices": [
+            {k: v for k, v in move["from"]["devices"][0].items() if k != "size"}]}
+        assert ev[0]["params"]["to"]["devices"][0]["pci"] == to["pci"]
+    # Freed: a new plan has nothing left to do on that pool.
+    assert cli.json("rebalance", "--plan", "--pool", "workstations")["moves"] == []
+
+
+def test_without_an_answer_nothing_moves_and_a_yes_moves(cli: Cli) -> None:
+    for n in range(3):
+        cli.json("vm", "create", "--tenant", "acme", "--name", f"w{n}", "--profile", "L40S-8C", "--vcpus", "4",
+                 "--memory", "16GiB", "--pool", "workstations")
+    with Controller(cli.url) as c:
+        before = store_snapshot(c)
+    from vgpu_ctl.cli.main import app
+    runner = CliRunner()
+    for answer in ("", "n\n"):
+        result = runner.invoke(app, ["--db", cli.url, "rebalance", "--apply"], input=answer)
+        assert result.exit_code == 1, result.output
+        assert "not confirmed" in result.output
+        with Controller(cli.url) as c:
+            assert store_snapshot(c) == before
+    result = runner.invoke(app, ["--db", cli.url, "rebalance", "--apply"], input="y\n")
+    assert result.exit_code == 0, result.output
+    assert "moved acme/w" in result.output
+
+
+def test_a_tenant_token_may_not_apply(cli: Cli) -> None:
+    token = cli("tenant", "token", "acme").stdout.strip().split()[-1]
+    from vgpu_ctl.cli.main import app
+    result = CliRunner().invoke(app, ["--db", cli.url, "--token", token, "rebalance", "--apply", "--yes",
+                                      "-o", "json"])
+    assert result.exit_code == 7, result.output
+    assert json.loads(result.stdout)["error"]["code"] == "permission_denied"
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """Two simulated hosts of one L40S each in a spread pool, a VM on each (tenant acme, a quota set)."""
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path))
+    url = f"sqlite:///{tmp_path / 'rb.db'}"
+    with Controller(url, state_path=tmp_path) as c:
+        c.apply_inventory(write_inventory(tmp_path, TWO_HOSTS))
+        c.create_tenant("acme")
+        c.set_quota("acme", {"vms": 10, "vcpus": 64})
+        c.set_quota("acme", {"vgpus": 4}, pool="ws")
+        c.request_vm("acme", "a", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
+        c.request_vm("acme", "b", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
+        assert {c.get_vm("acme/a").host, c.get_vm("acme/b").host} == {"sim-a", "sim-b"}
+    return url, tmp_path
+
+
+def _host_used(c: Controller) -> dict[str, tuple[int, int]]:
+    with c.engine.connect() as conn:
+        return {r.name: (r.used_vcpus, r.used_memory_mib) for r in conn.execute(alloc.HOST.select())}
+
+
+@pytest.mark.parametrize("step", ["create_device", "define_domain", "start_domain"])
+def test_a_failure_at_the_new_host_leaves_the_vm_running_where_it_was(two_hosts: tuple[str, Path],
+                                                                      step: str) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        plan = c.rebalance_plan()
+        (move,) = plan.moves
+        target = move.to_host
+        mover = move.name
+        before = store_snapshot(c)
+        before_sums = check_store_invariants(c.engine)
+        before_devs = vm_devices(c, mover)
+        before_target = on_host(c, target)
+    with Controller(url, state_path=state, host_factory=FailingFactory(state, target, step)) as c:
+        report = c.rebalance_apply(plan.moves)
+    assert not report["done"] and report["applied"] == []
+    assert report["failed"]["code"] == "host_failure" and f"injected failure at {step}" in report["failed"]["error"]
+    with Controller(url, state_path=state) as c:
+        vm = c.get_vm(f"acme/{mover}")
+        assert vm.state == "running" and vm.host == move.from_host
+        assert vm_devices(c, mover) == before_devs
+        after = store_snapshot(c)
+        moves = [e for e in after.pop("events") if e not in before["events"]]
+        assert [(e["action"], e["result"]) for e in moves] == [("vm.move", "failed")]
+        before.pop("events")
+        for key in ("vms", "gpus", "tenants", "hosts"):  # generations aside, as they were
+            strip = [{k: v for k, v in r.items() if k not in ("generation", "updated_at", "version", "lease_expires")}
+                     for r in after[key]]
+            was = [{k: v for k, v in r.items() if k not in ("generation", "updated_at", "version", "lease_expires")}
+                   for r in before[key]]
+            assert strip == was, key
+        assert after["devices"] == before["devices"]
+        assert check_store_invariants(c.engine) == before_sums
+        assert on_host(c, target) == before_target  # nothing left behind on the new host
+        uuids, domains = on_host(c, move.from_host)
+        assert {d.uuid for d in vm.devices} <= uuids and domains and all(domains.values())  # running there
+        assert c.reconcile().findings == []
+
+
+def test_a_move_across_hosts_frees_the_host_and_keeps_quota(two_hosts: tuple[str, Path]) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        plan = c.rebalance_plan(goal="free-hosts")
+        (move,) = plan.moves
+        assert move.from_host != move.to_host
+        before_usage = usage(c)
+        sums = check_store_invariants(c.engine)
+        report = c.rebalance_apply(plan.moves)
+        assert report["done"], report
+        vm = c.get_vm(f"acme/{move.name}")
+        assert vm.host == move.to_host and vm.state == "running"
+        assert usage(c) == before_usage
+        assert check_store_invariants(c.engine) == sums
+        used = _host_used(c)
+        assert used[move.from_host] == (0, 0) and used[move.to_host] == (8, 16384)
+        assert on_host(c, move.from_host) == (set(), {})
+        uuids, domains = on_host(c, move.to_host)
+        assert len(uuids) == 2 and list(domains.values()) == [True, True]
+        assert c.reconcile().findings == []
+        assert c.rebalance_plan(goal="free-hosts").moves == ()
+
+
+def test_a_plan_gone_stale_is_refused_with_nothing_changed(two_hosts: tuple[str, Path]) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        plan = c.rebalance_plan()
+        (move,) = plan.moves
+        c.stop_vm(f"acme/{move.name}")
+        c.start_vm(f"acme/{move.name}")
+        c.release_vm(f"acme/{'a' if move.name == 'b' else 'b'}")  # the destination's VM goes: it is empty now
+        before = store_snapshot(c)
+        report = c.rebalance_apply(plan.moves)
+        # The GPU it would go to is empty but still free: the move is valid by geometry and is carried out;
+        # a move whose VM changed place is refused.
+        assert report["done"]
+        stale = c.rebalance_apply(plan.moves)
+        assert not stale["done"] and stale["failed"]["code"] == "conflict"
+        assert "changed since the plan" in stale["failed"]["error"]
+        after = store_snapshot(c)
+        assert after["devices"] != before["devices"]
+        assert check_store_invariants(c.engine)
+
+
+@pytest.mark.parametrize("step", ["create_device", "define_domain", "start_domain"])
+def test_a_failed_move_on_the_same_host_gets_its_old_domain_back(cli: Cli, step: str) -> None:
+    for n in range(3):
+        cli.json("vm", "create", "--tenant", "acme", "--name", f"w{n}", "--profile", "L40S-8C", "--vcpus", "4",
+                 "--memory", "16GiB", "--pool", "workstations")
+    with Controller(cli.url) as c:
+        plan = c.rebalance_plan(pool="workstations")
+        (move,) = plan.moves
+        assert move.from_host == move.to_host == "kvm-l40s-01"
+        before = store_snapshot(c)["devices"]
+        sums = check_store_invariants(c.engine)
+        state = c.state_path
+    with Controller(cli.url, state_path=state, host_factory=FailingFactory(state, "kvm-l40s-01", step)) as c:
+        report = c.rebalance_apply(plan.moves)
+    assert report["failed"]["code"] == "host_failure", report
+    with Controller(cli.url) as c:
+        vm = c.get_vm(move.vm)
+        assert vm.state == "running" and store_snapshot(c)["devices"] == before
+        assert check_store_invariants(c.engine) == sums
+        with c.engine.connect() as conn:
+            host = conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == "kvm-l40s-01")).one()
+        domain = next(d for d in c.hosts.get(host).list_domains() if d.uuid == vm.id)
+        assert domain.active
+        assert set(domain.hostdevs) == {d.uuid for d in vm.devices}  # the old definition
+        assert on_host(c, "kvm-l40s-01")[0] == {d.uuid for v in c.list_vms() for d in v.devices}
+        assert c.reconcile().findings == []
+
+
+def test_readme_rebalance_example(cli: Cli) -> None:
+    import re
+    import shlex
+
+    from tests.conftest import REPO
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### Rebalance\n.*?```sh\n(.*?)```", readme, re.S)
+    assert block is not None
+    outputs = []
+    for line in block.group(1).splitlines():
+        args = shlex.split(line, comments=True)
+        assert args[0] == "vgpuctl"
+        result = cli(*args[1:])
+        assert result.exit_code == 0, (line, result.output)
+        outputs.append((args[1:], result.output))
+    plan = next(out for args, out in outputs if "--plan" in args)
+    assert "1 move of 1 VM free 1 GPU" in plan
+    applied = next(out for args, out in outputs if "--apply" in args)
+    assert "moved acme/w" in applied
+    events = next(out for args, out in outputs if args == ["events"])
+    assert "vm.move" in events
+    assert cli.json("rebalance", "--plan", "--pool", "workstations")["moves"] == []
