@@ -362,7 +362,8 @@ def test_idempotency_key_returns_same_vm(acme: Controller) -> None:
     with pytest.raises(Conflict, match="req-123"):  # the key names one request: another one is a conflict
         req(acme, "other-name", "A100D-10C", idempotency_key="req-123")
     assert len(acme.list_vms()) == 1
-    assert acme.tenant_usage("acme")[0] == {"scope": "*", "resource": "vms", "used": 1, "limit": None}
+    assert acme.tenant_usage("acme")[0] == {"scope": "*", "resource": "vms", "used": 1, "limit": None,
+                                              "guarantee": None, "borrowed": None}
     acme.create_tenant("beta")
     d = req(acme, "a", "A100D-10C", tenant="beta", idempotency_key="req-123")
     assert d.id != a.id  # keys are per tenant

@@ -61,7 +61,8 @@ def test_status_json_rows_pools_and_tenants(store: Store) -> None:
     assert "3333" in mig["occupancy"]
     assert {t["name"] for t in out["tenants"]} == {"acme", "globex"}
     acme = next(t for t in out["tenants"] if t["name"] == "acme")
-    assert {"scope": "*", "resource": "vms", "used": 2, "limit": None} in acme["usage"]
+    assert {"scope": "*", "resource": "vms", "used": 2, "limit": None, "guarantee": None, "borrowed": None} \
+        in acme["usage"]
 
 
 def test_pool_fits_are_sums_of_capacities_of_active_hosts(store: Store) -> None:

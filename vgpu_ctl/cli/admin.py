@@ -260,16 +260,19 @@ def tenant_token(name: str = TENANT_ARG,
 
 @tenant_app.command("usage")
 def tenant_usage(name: str = TENANT_ARG, as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
-    """Each limit of a tenant with its usage."""
+    """Each limit of a tenant with its usage, its guaranteed part and how much of the usage is borrowed (above
+    the guarantee: reclaimable by tenants below theirs)."""
     fmt = out_format(as_json, output)
     rows = run(fmt, lambda c: c.tenant_usage(name))
     if machine(fmt):
         emit(fmt, {"tenant": name, "usage": rows})
         return
-    table = Table("scope", "resource", "used", "limit")
+    table = Table("scope", "resource", "used", "guarantee", "limit", "borrowed")
     for r in rows:
+        g, b = r.get("guarantee"), r.get("borrowed")
         table.add_row("all pools" if r["scope"] == "*" else r["scope"], r["resource"], str(r["used"]),
-                      "unlimited" if r["limit"] is None else str(r["limit"]))
+                      "-" if g is None else str(g), "unlimited" if r["limit"] is None else str(r["limit"]),
+                      "-" if b is None else str(b))
     print_table(table, fmt)
 
 
@@ -294,10 +297,32 @@ def quota_set(tenant: str = TENANT_ARG, pool: str = typer.Option(None, help="Lim
               vcpus: str = typer.Option(None, help="Most vCPUs."),
               memory: str = typer.Option(None, help="Most memory, e.g. 512GiB."),
               profile: list[str] = typer.Option([], help="PROFILE=N: most vGPUs of one profile (repeatable)."),
+              guarantee_vms: str = typer.Option(None, "--guarantee-vms", help="Guaranteed part of --vms."),
+              guarantee_vgpus: str = typer.Option(None, "--guarantee-vgpus", help="Guaranteed part of --vgpus: "
+                                                  "vGPUs above it are borrowed, reclaimable by tenants below "
+                                                  "their guarantee ('none' clears it)."),
+              guarantee_framebuffer: str = typer.Option(None, "--guarantee-framebuffer",
+                                                        help="Guaranteed part of --framebuffer, e.g. 40GiB."),
+              guarantee_vcpus: str = typer.Option(None, "--guarantee-vcpus", help="Guaranteed part of --vcpus."),
+              guarantee_memory: str = typer.Option(None, "--guarantee-memory",
+                                                   help="Guaranteed part of --memory, e.g. 256GiB."),
               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
-    """Set a tenant's limits; a limit not given is left as it is, 'unlimited' clears one, 0 allows none. A limit
-    below what the tenant already uses is set, with a warning: its VMs stay, new requests are refused."""
+    """Set a tenant's limits and their guaranteed parts; a limit not given is left as it is, 'unlimited' clears
+    one, 0 allows none. Usage above a guarantee is borrowed (up to the limit, the burst) and reclaimable by
+    tenants below their guarantee. A limit below what the tenant already uses is set, with a warning: its VMs
+    stay, new requests are refused."""
     fmt = out_format(as_json, output)
+
+    def build_guarantees() -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for field, key, text, size in (("guarantee-vms", "vms", guarantee_vms, False),
+                                       ("guarantee-vgpus", "vgpus", guarantee_vgpus, False),
+                                       ("guarantee-framebuffer", "framebuffer_mib", guarantee_framebuffer, True),
+                                       ("guarantee-vcpus", "vcpus", guarantee_vcpus, False),
+                                       ("guarantee-memory", "memory_mib", guarantee_memory, True)):
+            if text is not None:
+                out[key] = _limit(field, text, size)
+        return out
 
     def build() -> dict[str, int | None]:
         limits: dict[str, int | None] = {}
@@ -312,12 +337,15 @@ def quota_set(tenant: str = TENANT_ARG, pool: str = typer.Option(None, help="Lim
                 raise InvalidInput(f"--profile {item!r} must be PROFILE=N (e.g. A100D-10C=4)",
                                    reasons=[{"field": "profile", "value": item}])
             limits[f"profile:{name}"] = _limit("profile", value)
-        if not limits:
-            raise InvalidInput("give at least one limit (--vms, --vgpus, --framebuffer, --vcpus, --memory, --profile)")
+        if not limits and not build_guarantees():
+            raise InvalidInput("give at least one limit (--vms, --vgpus, --framebuffer, --vcpus, --memory, --profile)"
+                               " or guarantee (--guarantee-vgpus, ...)")
         return limits
 
     def go(c: Any) -> tuple[dict[str, int | None], list[dict[str, Any]]]:
-        changes = c.set_quota(tenant, build(), pool=pool)
+        limits, guarantees = build(), build_guarantees()
+        changes = c.set_quota(tenant, limits, pool=pool, guarantees=guarantees) if guarantees \
+            else c.set_quota(tenant, limits, pool=pool)
         return changes, c.tenant_usage(tenant)
 
     changes, usage = run(fmt, go)
@@ -329,8 +357,8 @@ def quota_set(tenant: str = TENANT_ARG, pool: str = typer.Option(None, help="Lim
         emit(fmt, {"tenant": tenant, "pool": pool, "limits": changes, "below_usage": below})
         return
     for k, v in changes.items():
-        console.print(f"{tenant} {k}{' in ' + pool if pool else ''}: {'unlimited' if v is None else v}",
-                      markup=False)
+        unset = "none" if k.startswith("guarantee:") else "unlimited"
+        console.print(f"{tenant} {k}{' in ' + pool if pool else ''}: {unset if v is None else v}", markup=False)
     for b in below:
         err_console.print(f"[yellow]warning[/]: {tenant} already uses {b['used']} {b['resource']}"
                           f"{' in ' + pool if pool else ''}, more than the new limit {b['limit']}: its VMs keep "

@@ -13,7 +13,7 @@ higher priority, never one whose cool-down protects it from a request of this pr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
 
@@ -126,16 +126,40 @@ def _on_host(host: HostView, req: PlacementRequest, candidates: Sequence[Holder]
     return Preemption(tuple(chosen), found)
 
 
+def reclaimable(holder: Holder, priority: int) -> bool:
+    """Whether a reclaiming request (its tenant below its guarantee) of `priority` may take the holder back:
+    borrowed work only, whatever its priority or class (Kueue's reclaimWithinCohort: Any), but not while a
+    cool-down protects it from a request of this priority (no loops). The caller keeps to other tenants' VMs of
+    tenants still above their guarantee."""
+    return holder.borrowed and (holder.protected_below is None or priority > holder.protected_below)
+
+
+def borrowed_share(used: Mapping[str, float], guarantee: Mapping[str, float]) -> float:
+    """How much a tenant borrows: the largest share above its guarantee, (used - guarantee) / guarantee, over the
+    resources it has a guarantee of (a guarantee of 0 counts as 1); 0 when it borrows nothing."""
+    return max((max(0.0, used.get(r, 0) - g) / max(g, 1) for r, g in guarantee.items()), default=0.0)
+
+
+def strictly_improves(before: Mapping[str, float], after: Mapping[str, float]) -> bool:
+    """The fair-share check of a reclaim (Kueue's rule that a preemption must make sharing strictly fairer, so
+    two tenants cannot take capacity from each other in a loop): the involved tenants' borrowed shares, largest
+    first, are lexicographically smaller after than before."""
+    return sorted(after.values(), reverse=True) < sorted(before.values(), reverse=True)
+
+
 def choose_victims(req: PlacementRequest, priority: int, hosts: Iterable[HostView], holders: Iterable[Holder],
-                   policy: Policy | None = None) -> Preemption | None:
+                   policy: Policy | None = None,
+                   allowed: Callable[[Holder, int], bool] | None = None) -> Preemption | None:
     """The fewest victims (over every host, each host's VMs alone being able to free room there) whose release
     lets the request of `priority` fit, ties broken by the victims' order then host order; an empty set when it
     fits as it is; None when no allowed set makes room. `hosts` must hold every GPU of each host the request may
-    use (occupied ones too), with free vCPUs and memory as they are now."""
+    use (occupied ones too), with free vCPUs and memory as they are now. `allowed` decides which holders may be
+    taken (default `eligible`, the priority rule; `reclaimable` for a reclaim)."""
     policy = policy or get_policy("first-fit")
+    allowed = allowed or eligible
     by_host: dict[int, list[Holder]] = {}
     for h in holders:
-        if eligible(h, priority):
+        if allowed(h, priority):
             by_host.setdefault(h.host_id, []).append(h)
     best: tuple[tuple[int, tuple[tuple[bool, int, float, str], ...], int], Preemption] | None = None
     for host in hosts:

@@ -74,7 +74,7 @@ from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_al
 if TYPE_CHECKING:
     from vgpu_ctl.hosts.protocol import DomainInfo
     from vgpu_ctl.planning.demand import Demand
-    from vgpu_ctl.planning.rebalance import Move, RebalancePlan
+    from vgpu_ctl.planning.rebalance import RebalancePlan
     from vgpu_ctl.service.scheduling import Scheduling
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
@@ -405,10 +405,14 @@ class Controller:
             revoke_api_token(conn, self.principal.actor, name)
 
     def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None,
-                  if_generation: int | None = None) -> dict[str, Any]:
+                  if_generation: int | None = None,
+                  guarantees: Mapping[str, int | None] | None = None) -> dict[str, Any]:
         """Set (int) or clear (None) limits of a tenant, globally or within one pool. Keys: vms, vgpus,
-        framebuffer_mib, vcpus, memory_mib, profile:NAME. PreconditionFailed, nothing changed, when
-        `if_generation` is given and the tenant (its usage or limits) has changed since."""
+        framebuffer_mib, vcpus, memory_mib, profile:NAME. `guarantees` sets or clears the guaranteed part of the
+        base resources' limits (usage above it is borrowed, and reclaimable by tenants below their guarantee);
+        InvalidInput naming the field, nothing changed, for a guarantee below 0 or above its limit.
+        PreconditionFailed, nothing changed, when `if_generation` is given and the tenant (its usage or limits)
+        has changed since."""
         self._admin("quota set")
         for key in limits:
             if key.startswith("profile:") and key[8:] not in self.catalog.profile_names():
@@ -420,7 +424,7 @@ class Controller:
             check_generation(t, if_generation, "tenant", tenant)
             if pool is not None:
                 self._pool_row(conn, pool)
-            changes = set_limits(conn, t.id, pool or "*", limits)
+            changes = set_limits(conn, t.id, pool or "*", limits, guarantees)
             record(conn, self.principal.actor, "quota.set", tenant, tenant=tenant,
                    params={"pool": pool, "limits": changes})
         return changes
@@ -1096,12 +1100,6 @@ class Controller:
         copy of the store (admin only; nothing written): see `service.rebalance`."""
         from vgpu_ctl.service.rebalance import plan_rebalance
         return plan_rebalance(self, goal, pool, demand)
-
-    def rebalance_apply(self, moves: Sequence[Move]) -> dict[str, Any]:
-        """Carry a rebalance plan's moves out one at a time, each audited (`vm.move`) and undone on failure (the VM
-        back where it was); stops at the first that fails. Admin only: see `service.rebalance.move_vm`."""
-        from vgpu_ctl.service.rebalance import apply_moves
-        return apply_moves(self, moves)
 
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""

@@ -11,7 +11,7 @@ from sqlalchemy.engine import Connection
 from vgpu_ctl.core.vm_state import HOLDS_CLAIM
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
-from vgpu_ctl.service.allocation import DEVICE, HOST, SCOPED, TENANT
+from vgpu_ctl.service.allocation import DEVICE, GUARANTEED, HOST, SCOPED, TENANT
 from vgpu_ctl.service.requests import BASE_RESOURCES
 from vgpu_ctl.store.models import Pool, Vm
 
@@ -36,9 +36,56 @@ def allocated(conn: Connection, tenant_id: int, scope: str = "*") -> dict[str, i
     return {k: int(v) for k, v in out.items()}
 
 
-def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str, int | None]) -> dict[str, Any]:
-    """Set (int) or clear (None) limits of a tenant in a scope ('*' or a pool name); the changes made.
-    The tenant row is updated first so concurrent claims of this tenant wait for this transaction."""
+def _field(resource: str) -> str:
+    """The name of a guarantee's field in errors (the CLI option without its dashes)."""
+    return f"guarantee_{resource}"
+
+
+def check_guarantees(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str, int | None],
+                     guarantees: Mapping[str, int | None]) -> None:
+    """InvalidInput naming the field, before anything changes, for a guarantee of an unknown or profile resource,
+    one that is not a whole number >= 0, one above its limit (as it will be after this change), or one in a pool
+    without a limit there (a pool's guarantee is part of its limit, the burst)."""
+    for resource, value in guarantees.items():
+        if resource not in GUARANTEED:
+            raise InvalidInput(f"a guarantee is for one of {', '.join(GUARANTEED)}, not {resource!r}",
+                               reasons=[{"field": "guarantee", "value": resource}])
+        if value is not None:
+            check_int(_field(resource), value)
+    t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
+    scoped = {r.resource: r for r in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id,
+                                                                         SCOPED.c.scope == scope))}
+    for resource in GUARANTEED:
+        if resource not in limits and resource not in guarantees:
+            continue
+        if scope == "*":
+            limit, guarantee = t[f"{resource}_limit"], t[f"{resource}_guarantee"]
+        else:
+            row = scoped.get(resource)
+            limit, guarantee = (row.limit_value, row.guarantee) if row is not None else (None, None)
+        limit = limits.get(resource, limit)
+        guarantee = guarantees.get(resource, guarantee)
+        if guarantee is None:
+            continue
+        field = _field(resource) if resource in guarantees else resource
+        where = "" if scope == "*" else f" in pool {scope}"
+        if limit is None and scope != "*":
+            raise InvalidInput(f"a guarantee of {resource}{where} needs a limit of {resource} there (the burst it "
+                               f"is part of) (field {field})", reasons=[{"field": field, "value": guarantee}])
+        if limit is not None and guarantee > limit:
+            raise InvalidInput(f"the guarantee of {resource}{where} ({guarantee}) can't be above its limit ({limit}) "
+                               f"(field {field})",
+                               reasons=[{"field": field, "value": guarantees.get(resource, limits.get(resource)),
+                                         "guarantee": guarantee, "limit": limit}])
+
+
+def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str, int | None],
+               guarantees: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+    """Set (int) or clear (None) limits, and the guaranteed part of them (`guarantees`, by resource: usage above
+    a guarantee is borrowed), of a tenant in a scope ('*' or a pool name); the changes made (guarantees as
+    `guarantee:RESOURCE`). Everything is checked before anything changes (`check_guarantees`). The tenant row is
+    updated first so concurrent claims of this tenant wait for this transaction."""
+    guarantees = dict(guarantees or {})
     for resource, value in limits.items():
         if resource not in BASE_RESOURCES and not resource.startswith("profile:"):
             raise InvalidInput(f"unknown quota resource {resource!r}; known: {', '.join(BASE_RESOURCES)}, "
@@ -46,18 +93,29 @@ def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str
         if value is not None:
             check_int(resource, value)
     conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(vms_used=TENANT.c.vms_used))
+    check_guarantees(conn, tenant_id, scope, limits, guarantees)
     usage = allocated(conn, tenant_id, scope)
     changes: dict[str, Any] = {}
-    for resource, value in limits.items():
+    for resource in dict.fromkeys([*limits, *guarantees]):
+        values: dict[str, Any] = {}
+        if resource in limits:
+            values["limit_value"] = limits[resource]
+            changes[resource] = limits[resource]
+        if resource in guarantees:
+            values["guarantee"] = guarantees[resource]
+            changes[f"guarantee:{resource}"] = guarantees[resource]
         if scope == "*" and resource in BASE_RESOURCES:
-            conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(**{f"{resource}_limit": value}))
-        else:
-            where = (SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope, SCOPED.c.resource == resource)
+            conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(
+                **{f"{resource}_{'limit' if k == 'limit_value' else 'guarantee'}": v for k, v in values.items()}))
+            continue
+        where = (SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope, SCOPED.c.resource == resource)
+        if values.get("limit_value", 0) is None:  # the limit cleared: its guarantee goes with it (checked above)
             conn.execute(SCOPED.delete().where(*where))
-            if value is not None:
-                conn.execute(SCOPED.insert().values(tenant_id=tenant_id, scope=scope, resource=resource,
-                                                    limit_value=value, used=usage.get(resource, 0)))
-        changes[resource] = value
+        elif conn.execute(select(SCOPED.c.id).where(*where)).first() is not None:
+            conn.execute(SCOPED.update().where(*where).values(used=usage.get(resource, 0), **values))
+        elif "limit_value" in values:  # (a guarantee cleared where no row is: nothing to do)
+            conn.execute(SCOPED.insert().values(tenant_id=tenant_id, scope=scope, resource=resource,
+                                                used=usage.get(resource, 0), **values))
     has_scoped = conn.execute(select(func.count()).select_from(SCOPED).where(SCOPED.c.tenant_id == tenant_id)).scalar()
     conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(has_scoped_limits=bool(has_scoped)))
     return changes
@@ -100,19 +158,27 @@ def repair_usage(conn: Connection) -> list[dict[str, Any]]:
     return changes
 
 
+def _borrowed(used: int, guarantee: int | None) -> int | None:
+    return None if guarantee is None else max(0, used - guarantee)
+
+
 def usage_report(conn: Connection, tenant_id: int) -> list[dict[str, Any]]:
-    """Each limit of a tenant (and each base resource, limited or not) with its usage."""
+    """Each limit of a tenant (and each base resource, limited or not) with its usage, its guaranteed part (None:
+    none) and how much of the usage is borrowed (above the guarantee; None without one)."""
     t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
     actual = allocated(conn, tenant_id)
-    rows = [{"scope": "*", "resource": r, "used": t[f"{r}_used"], "limit": t[f"{r}_limit"]} for r in BASE_RESOURCES]
-    rows += [{"scope": "*", "resource": k, "used": v, "limit": None} for k, v in sorted(actual.items())
-             if k.startswith("profile:")]
+    rows = [{"scope": "*", "resource": r, "used": t[f"{r}_used"], "limit": t[f"{r}_limit"],
+             "guarantee": t[f"{r}_guarantee"], "borrowed": _borrowed(t[f"{r}_used"], t[f"{r}_guarantee"])}
+            for r in BASE_RESOURCES]
+    rows += [{"scope": "*", "resource": k, "used": v, "limit": None, "guarantee": None, "borrowed": None}
+             for k, v in sorted(actual.items()) if k.startswith("profile:")]
     for r in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id)
                           .order_by(SCOPED.c.scope, SCOPED.c.resource)).all():
         existing = next((x for x in rows if x["scope"] == r.scope and x["resource"] == r.resource), None)
+        row = {"used": r.used, "limit": r.limit_value, "guarantee": r.guarantee,
+               "borrowed": _borrowed(r.used, r.guarantee)}
         if existing is not None:
-            existing["limit"] = r.limit_value
-            existing["used"] = r.used
+            existing.update(row)
         else:
-            rows.append({"scope": r.scope, "resource": r.resource, "used": r.used, "limit": r.limit_value})
+            rows.append({"scope": r.scope, "resource": r.resource, **row})
     return rows

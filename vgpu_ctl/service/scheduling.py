@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy import Table, and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.fairshare import (
@@ -30,7 +30,14 @@ from vgpu_ctl.core.fairshare import (
     fold,
 )
 from vgpu_ctl.core.placement import PlacementPlan, PlacementRequest, get_policy
-from vgpu_ctl.core.preemption import Holder, Preemption, choose_victims
+from vgpu_ctl.core.preemption import (
+    Holder,
+    Preemption,
+    borrowed_share,
+    choose_victims,
+    reclaimable,
+    strictly_improves,
+)
 from vgpu_ctl.core.priority import (
     NO_CLASS,
     PreemptionMode,
@@ -48,7 +55,7 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.operations import OPERATION
 from vgpu_ctl.service.principals import Principal
-from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.service.quotas import POOL, VM
 from vgpu_ctl.service.scheduling_types import PreemptionPlan, Victim  # their home, re-exported
 from vgpu_ctl.store.models import (
     Meta,
@@ -336,7 +343,8 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
 def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
            history: Mapping[str, Any] | None = None) -> None:
     """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
-    re-admitted victim's cool-down starts now."""
+    re-admitted victim's cool-down starts now. The VM is borrowed when its tenant's usage, after this claim's
+    charge, is above one of its guarantees (read in the same statement, under the tenant row's lock)."""
     fb, compute = charge_of(catalog, chosen)
     h = history or {}
     now = time.time()
@@ -345,7 +353,8 @@ def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: Prio
         vm_id=vm_id, tenant_id=tenant_id, class_name=cls.name or None, priority=cls.value,
         preemptible=cls.preemptible, admitted_at=now, fb_gib=fb, compute_slices=compute,
         preemptions=int(h.get("preemptions", 0)), protected_below=protected,
-        protected_until=now + float(h.get("cooldown_s", 0.0)) if protected is not None else None))
+        protected_until=now + float(h.get("cooldown_s", 0.0)) if protected is not None else None,
+        borrowed=alloc.over_guarantee(tenant_id, vm_id)))  # usage after this claim's charge, under its lock
 
 
 # -- fair share -------------------------------------------------------------------------------------------------
@@ -454,7 +463,7 @@ def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> tuple[lis
     rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.host_id, VM.c.vcpus, VM.c.memory_mib, VM.c.state,
                                VM.c.lease_holder, VM.c.tenant_id, VMSCHED.c.priority, VMSCHED.c.preemptible,
                                VMSCHED.c.admitted_at, VMSCHED.c.protected_below, VMSCHED.c.protected_until,
-                               VMSCHED.c.class_name, VMSCHED.c.preemptions)
+                               VMSCHED.c.class_name, VMSCHED.c.preemptions, VMSCHED.c.borrowed, VM.c.pool_id)
                         .join(VMSCHED, VMSCHED.c.vm_id == VM.c.id)
                         .where(VM.c.host_id.in_(list(host_ids)), VM.c.state.in_(LIVE),
                                VM.c.lease_holder.is_(None))).all()
@@ -467,25 +476,118 @@ def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> tuple[lis
     for r in rows:
         protected = r.protected_below if r.protected_until is not None and r.protected_until > now else None
         out.append(Holder(r.id, r.host_id, int(r.priority), bool(r.preemptible), tuple(sorted(devs.get(r.id, []))),
-                          int(r.vcpus), int(r.memory_mib), float(r.admitted_at), False, protected))
+                          int(r.vcpus), int(r.memory_mib), float(r.admitted_at), bool(r.borrowed), protected))
     return out, {r.id: r for r in rows}
 
 
 def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
-                    pools: Sequence[Any]) -> tuple[Preemption, Any, dict[str, Any]] | None:
+                    pools: Sequence[Any], reclaim: bool = False) -> tuple[Preemption, Any, dict[str, Any]] | None:
     """The fewest victims over the request's pools (first pool with a set wins, as the claim tries pools in
-    order), with the pool and the victims' rows; None when no allowed set makes room."""
+    order), with the pool and the victims' rows; None when no allowed set makes room. With `reclaim`, only pools
+    where the request stays within its tenant's guarantee, only other tenants' borrowed VMs of tenants still
+    above their guarantee, and only a set that makes the borrowed shares strictly fairer (`reclaim_check`)."""
     preq = PlacementRequest(req.profiles(), req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
     names = {p.id: p.name for p in pools}
     now = time.time()
+    t_id = ctl._tenant_id(conn, req.tenant)
+    delta = _delta(ctl, req)
+    lenders = _over_guarantee(conn) if reclaim else (set(), set())
     for pool in pools:
+        if reclaim and not within_guarantee(conn, t_id, delta, pool.name):
+            continue
         cands = alloc.all_candidates(conn, ctl.catalog, [pool.id], preq.profiles, req.anti_affinity, names)
         hosts = [h for h in cands.hosts]
         holders, rows = _holders(conn, [h.host_id for h in hosts], now)
-        found = choose_victims(preq, cls.value, hosts, holders, get_policy("first-fit"))
+        if reclaim:
+            holders = [h for h in holders if rows[h.vm_id].tenant_id != t_id
+                       and (rows[h.vm_id].tenant_id in lenders[0]
+                            or (rows[h.vm_id].tenant_id, names.get(rows[h.vm_id].pool_id)) in lenders[1])]
+        found = choose_victims(preq, cls.value, hosts, holders, get_policy("first-fit"),
+                               reclaimable if reclaim else None)
+        if found is not None and reclaim and found.victims and not reclaim_check(conn, t_id, delta, pool.name,
+                                                                                  found.victims):
+            continue
         if found is not None:
             return found, pool, rows
     return None
+
+
+# -- borrowing and reclaim --------------------------------------------------------------------------------------
+
+def _delta(ctl: Controller, req: VmRequest) -> dict[str, int]:
+    """What a request charges its tenant's base resources."""
+    return {"vms": 1, "vgpus": len(req.profiles()),
+            "framebuffer_mib": sum(ctl._framebuffer(p) for p in req.profiles()), "vcpus": req.vcpus,
+            "memory_mib": req.memory_mib}
+
+
+def guarantees_of(conn: Connection, tenant_id: int, pool: str) -> dict[str, tuple[int, int]]:
+    """A tenant's guarantees that apply in a pool, by `RESOURCE` (global) and `RESOURCE@POOL` (the pool's own):
+    (used, guarantee) each."""
+    t = conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.id == tenant_id)).one()._mapping
+    out = {r: (int(t[f"{r}_used"]), int(t[f"{r}_guarantee"])) for r in alloc.GUARANTEED
+           if t[f"{r}_guarantee"] is not None}
+    for q in conn.execute(select(alloc.SCOPED).where(alloc.SCOPED.c.tenant_id == tenant_id,
+                                                     alloc.SCOPED.c.scope == pool,
+                                                     alloc.SCOPED.c.guarantee.is_not(None))):
+        out[f"{q.resource}@{pool}"] = (int(q.used), int(q.guarantee))
+    return out
+
+
+def within_guarantee(conn: Connection, tenant_id: int, delta: Mapping[str, int], pool: str) -> bool:
+    """Whether a request charging `delta` in `pool` keeps its tenant within every guarantee that applies there
+    (and the tenant has one): such a request may reclaim what others borrow."""
+    g = guarantees_of(conn, tenant_id, pool)
+    return bool(g) and all(used + delta.get(key.partition("@")[0], 0) <= guarantee
+                           for key, (used, guarantee) in g.items())
+
+
+def _over_guarantee(conn: Connection) -> tuple[set[int], set[tuple[int, str]]]:
+    """The tenants above a global guarantee now, and the (tenant, pool) pairs above a pool's guarantee."""
+    t = alloc.TENANT
+    over = or_(*(and_(t.c[f"{r}_guarantee"].is_not(None), t.c[f"{r}_used"] > t.c[f"{r}_guarantee"])
+                 for r in alloc.GUARANTEED))
+    tenants = {r[0] for r in conn.execute(select(t.c.id).where(over))}
+    q = alloc.SCOPED
+    pairs = {(r.tenant_id, r.scope) for r in conn.execute(select(q.c.tenant_id, q.c.scope).where(
+        q.c.guarantee.is_not(None), q.c.used > q.c.guarantee))}
+    return tenants, pairs
+
+
+def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], pool: str,
+                  victims: Sequence[Holder]) -> bool:
+    """Whether reclaiming `victims` for a request of the tenant (charging `delta` in `pool`) makes sharing
+    strictly fairer: the borrowed shares of the reclaimer and of the victims' tenants, largest first, go down
+    (`core.preemption.strictly_improves`); so a reclaim can never be undone by a reclaim back."""
+    vm_rows = {r.id: r for r in conn.execute(select(VM.c.id, VM.c.tenant_id, VM.c.spec, VM.c.pool_id).where(
+        VM.c.id.in_([v.vm_id for v in victims])))}
+    pool_names = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+
+    def shares(t: int, where: str, minus: Mapping[str, int]) -> tuple[float, float]:
+        g = guarantees_of(conn, t, where)
+        used = {k: float(u) for k, (u, _) in g.items()}
+        guarantee = {k: float(x) for k, x in ((k, gg) for k, (_, gg) in g.items())}
+        changed = {k: used[k] + minus.get(k.partition("@")[0], 0) for k in used}
+        return borrowed_share(used, guarantee), borrowed_share(changed, guarantee)
+
+    b, a = shares(tenant_id, pool, delta)
+    before[f"t{tenant_id}@{pool}"], after[f"t{tenant_id}@{pool}"] = b, a
+    freed: dict[tuple[int, str], dict[str, int]] = {}
+    for v in victims:
+        r = vm_rows.get(v.vm_id)
+        if r is None:
+            continue
+        spec = r.spec if isinstance(r.spec, dict) else {}
+        key = (int(r.tenant_id), str(pool_names.get(r.pool_id, "")))
+        acc = freed.setdefault(key, {})
+        for res, n in dict(spec.get("delta") or {}).items():
+            acc[res] = acc.get(res, 0) - int(n)
+    for (t, where), minus in freed.items():
+        b, a = shares(t, where, minus)
+        before[f"t{t}@{where}"], after[f"t{t}@{where}"] = b, a
+    return strictly_improves(before, after)
 
 
 def _victims(conn: Connection, found: Preemption, rows: Mapping[str, Any]) -> tuple[Victim, ...]:
@@ -525,6 +627,36 @@ def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
         host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
         return PreemptionPlan(cls.name or None, cls.value, pool.name, host, _victims(conn, pre, rows),
                               "fits without preemption" if not pre.victims else "capacity")
+
+
+def _no_reclaim(req: VmRequest) -> NoCapacity:
+    return NoCapacity(f"reclaiming does not help: no set of VMs other tenants borrow above their guarantee frees "
+                      f"room for VM {req.name!r} by geometry while making sharing fairer",
+                      reasons=[{"kind": "reclaim", "tenant": req.tenant}])
+
+
+def may_reclaim(ctl: Controller, req: VmRequest, preempt: bool | None) -> bool:
+    """Whether a request refused for capacity reclaims borrowed capacity before anything else: unless asked not
+    to preempt (`preempt` False), when it stays within its tenant's guarantee in one of its pools."""
+    if preempt is False:
+        return False
+    with ctl.engine.connect() as conn:
+        t_id = ctl._tenant_id(conn, req.tenant)
+        delta = _delta(ctl, req)
+        return any(within_guarantee(conn, t_id, delta, p.name) for p in _pools_for(ctl, conn, req))
+
+
+def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
+    """Reclaim borrowed VMs for a request within its tenant's guarantee (`preempt` with reason 'reclaim': the
+    victims requeued or cancelled, with the grace period, audited, counted) and claim again; the claim's result.
+    NoCapacity (the refusal and why reclaiming did not help) when it still does not fit."""
+    with ctl.engine.connect() as conn:
+        cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
+    try:
+        preempt(ctl, req, cls, "reclaim")
+        return ctl._claim(req, False)
+    except NoCapacity as again:
+        raise NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons]) from None
 
 
 def _no_victims(req: VmRequest, cls: PriorityClass) -> NoCapacity:
@@ -578,10 +710,10 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
     from vgpu_ctl.service.provision import domain_name, release_vm
     with ctl.engine.connect() as conn:
         pools = _pools_for(ctl, conn, req)
-        found = plan_preemption(ctl, conn, req, cls, pools)
+        found = plan_preemption(ctl, conn, req, cls, pools, reclaim=reason == "reclaim")
         if found is None or not found[0].victims:
             if found is None:
-                raise _no_victims(req, cls)
+                raise _no_reclaim(req) if reason == "reclaim" else _no_victims(req, cls)
             host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found[0].plan.host_id)).scalar()
             return PreemptionPlan(cls.name or None, cls.value, found[1].name, host, (), "fits without preemption")
         pre, pool, rows = found
@@ -762,12 +894,18 @@ def admit_queued(ctl: Controller) -> list[str]:
         try:
             try:
                 vm = admit(actor, req)
-            except NoCapacity:
-                if not wants_preemption(cls, q.get("preempt")):
-                    raise
-                # a waiting request whose class preempts does not wait while lower preemptible VMs hold its room
-                preempt(actor, req, cls, "capacity")
-                vm = admit(actor, req)
+            except NoCapacity as refused:
+                vm = None
+                if may_reclaim(actor, req, q.get("preempt")):
+                    with contextlib.suppress(NoCapacity):  # within its guarantee: what others borrow comes back
+                        preempt(actor, req, cls, "reclaim")
+                        vm = admit(actor, req)
+                if vm is None:
+                    if not wants_preemption(cls, q.get("preempt")):
+                        raise refused from None
+                    # a waiting request whose class preempts does not wait while lower preemptible VMs hold its room
+                    preempt(actor, req, cls, "capacity")
+                    vm = admit(actor, req)
             state, result = "succeeded", vm.to_dict()
             admitted.append(vm.id)
         except Refused as exc:
@@ -852,10 +990,18 @@ def check_deadline(seconds: object) -> float:
 
 def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None,
                   queue: bool, deadline_s: float | None = None) -> Any:
-    """What `request_vm` does with a refused request: for a lack of capacity, preempt (as asked, else as the
-    class's policy says) and claim again; if it still does not fit and `queue`, queue it (the pending operation
-    is returned). Otherwise the refusal is raised again. Returns what the claim returns."""
+    """What `request_vm` does with a refused request: for a lack of capacity, reclaim borrowed VMs when the
+    request stays within its tenant's guarantee (`may_reclaim`), else (or if that does not help) preempt (as
+    asked, else as the class's policy says) and claim again; if it still does not fit and `queue`, queue it (the
+    pending operation is returned). Otherwise the refusal is raised again. Returns what the claim returns."""
     from vgpu_ctl.service.operations import get as get_operation
+    if isinstance(exc, NoCapacity) and may_reclaim(ctl, req, preempt):
+        try:  # within its guarantee: take back what others borrow first
+            return reclaim_then_claim(ctl, req, exc)
+        except NoCapacity as again:
+            exc = again
+        except Refused as again:
+            exc = again
     if isinstance(exc, NoCapacity):
         with ctl.engine.connect() as conn:
             cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)

@@ -94,6 +94,10 @@ class Tenant(SQLModel, table=True):
     ) + tuple(
         CheckConstraint(f"{r}_limit IS NULL OR {r}_limit >= 0", name=f"tenant_{r}_limit_nonneg")
         for r in ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
+    ) + tuple(
+        CheckConstraint(f"{r}_guarantee IS NULL OR ({r}_guarantee >= 0 AND ({r}_limit IS NULL OR "
+                        f"{r}_guarantee <= {r}_limit))", name=f"tenant_{r}_guarantee_valid")
+        for r in ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -110,6 +114,12 @@ class Tenant(SQLModel, table=True):
     framebuffer_mib_limit: int | None = Field(default=None, sa_type=BigInteger)
     vcpus_limit: int | None = Field(default=None, sa_type=BigInteger)
     memory_mib_limit: int | None = Field(default=None, sa_type=BigInteger)
+    # The guaranteed part of each limit (NULL: none): usage above it is borrowed, and reclaimable.
+    vms_guarantee: int | None = Field(default=None, sa_type=BigInteger)
+    vgpus_guarantee: int | None = Field(default=None, sa_type=BigInteger)
+    framebuffer_mib_guarantee: int | None = Field(default=None, sa_type=BigInteger)
+    vcpus_guarantee: int | None = Field(default=None, sa_type=BigInteger)
+    memory_mib_guarantee: int | None = Field(default=None, sa_type=BigInteger)
     has_scoped_limits: bool = False
     generation: int = Field(default=1, sa_type=BigInteger)  # bumped by a trigger on every change (ETag)
 
@@ -123,6 +133,8 @@ class ScopedQuota(SQLModel, table=True):
         UniqueConstraint("tenant_id", "scope", "resource", name="scoped_quota_unique"),
         CheckConstraint("used >= 0", name="scoped_quota_used_nonneg"),
         CheckConstraint("limit_value >= 0", name="scoped_quota_limit_nonneg"),
+        CheckConstraint("guarantee IS NULL OR (guarantee >= 0 AND guarantee <= limit_value "
+                        "AND resource NOT LIKE 'profile:%')", name="scoped_quota_guarantee_valid"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
@@ -131,6 +143,7 @@ class ScopedQuota(SQLModel, table=True):
     resource: str
     limit_value: int = Field(sa_type=BigInteger)
     used: int = Field(default=0, sa_type=BigInteger)
+    guarantee: int | None = Field(default=None, sa_type=BigInteger)  # the guaranteed part of the limit
 
 
 class Vm(SQLModel, table=True):
@@ -393,6 +406,9 @@ class VmSched(SQLModel, table=True):
     preemptions: int = 0
     protected_below: int | None = Field(default=None, sa_type=BigInteger)
     protected_until: float | None = None
+    # Claimed while its tenant's usage (after the claim's charge) was above a guarantee: reclaimable. Set by the
+    # claim from the tenant's rows under their lock; a trigger refuses a row whose flag disagrees with them.
+    borrowed: bool = False
 
 
 class UsageInterval(SQLModel, table=True):
