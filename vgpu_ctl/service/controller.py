@@ -74,7 +74,7 @@ from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_al
 if TYPE_CHECKING:
     from vgpu_ctl.hosts.protocol import DomainInfo
     from vgpu_ctl.planning.demand import Demand
-    from vgpu_ctl.planning.rebalance import RebalancePlan
+    from vgpu_ctl.planning.rebalance import Move, RebalancePlan
     from vgpu_ctl.service.scheduling import Scheduling
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
@@ -1100,6 +1100,12 @@ class Controller:
         copy of the store (admin only; nothing written): see `service.rebalance`."""
         from vgpu_ctl.service.rebalance import plan_rebalance
         return plan_rebalance(self, goal, pool, demand)
+
+    def rebalance_apply(self, moves: Sequence[Move]) -> dict[str, Any]:
+        """Carry a rebalance plan's moves out one at a time, each audited (`vm.move`) and undone on failure (the VM
+        back where it was); stops at the first that fails. Admin only: see `service.rebalance.move_vm`."""
+        from vgpu_ctl.service.rebalance import apply_moves
+        return apply_moves(self, moves)
 
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""
