@@ -374,9 +374,10 @@ class Client:
                                 timeout=self.timeout + POLL_WAIT_S)
         if response.status_code == 201:
             return vm_from_dict(response.json())
-        if "operation-location" in response.headers:  # 202 for a request that waits in the queue: the queued one
-            return operation_from_dict(response.json())
-        op = self.wait_operation(operation_from_dict(response.json()))
+        op = operation_from_dict(response.json())
+        if op.state == "pending":  # a create's own operation runs from the start: this is the queued request
+            return op
+        op = self.wait_operation(op)
         if op.result is not None and "queued" in op.result:
             return operation_from_dict(op.result["queued"])
         if op.result is not None:
