@@ -10,4 +10,5 @@ source scripts/libvirtd.sh
 ensure_libvirtd
 export VGPU_CTL_TEST_PG_URL
 export VGPU_CTL_TEST_PG="${VGPU_CTL_TEST_PG_URL%/*}"  # server part, for tests that make their own databases
-.venv/bin/pytest -q "$@"
+# Two workers, each test file on one of them (files that start servers or count their own tests keep them together).
+.venv/bin/pytest -q -n 2 --dist loadfile "$@"
