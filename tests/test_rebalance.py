@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from tests.conftest import DEMO, REPO, Cli, store_snapshot
+from tests.conftest import DEMO, REPO, Cli, check_store_invariants, store_snapshot, write_inventory
 from vgpu_ctl.catalog import load_catalog
 from vgpu_ctl.core.geometry import Mode
 from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, get_policy, plan
@@ -338,5 +339,55 @@ def test_goal_advised_frees_what_the_advisor_wants_recarved(cli: Cli) -> None:
     advice = cli.json("advise", "carving", "--demand", str(DEMAND), "--from-store")
     out = cli.json("rebalance", "--plan", "--goal", "advised", "--demand", str(DEMAND))
     wanted = set(advice["move_first"])
-    assert {f["target"] for f in out["freed"]} | {b["target"] for b in out["blocked"]} <= wanted
-    assert {f["target"] for f in out["freed"]} or out["blocked"] or not wanted
+    assert "kvm-h100-01/0000:4c:00.0" in wanted
+    # Every GPU the advisor wants emptied is either freed or said why not (here: no other training GPU in use
+    # offers the 1g slice, so it stays).
+    assert {f["target"] for f in out["freed"]} | {b["target"] for b in out["blocked"]} == wanted
+    assert out["moves"] == []
+
+
+ADVISED_FLEET = """
+pools:
+  - {name: p, policy: pack}
+hosts:
+  - name: sim-h
+    uri: "simulated:///sim-h"
+    driver: simulated
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+      - {pci: "0000:19:00.0", model: H100-80GB, mode: mig, pool: p,
+         mig_layout: ["4g.40gb@0", "2g.20gb@4", "1g.10gb@6"]}
+      - {pci: "0000:3b:00.0", model: H100-80GB, mode: mig, pool: p}
+"""
+
+
+def test_goal_advised_empties_the_gpu_whose_layout_keeps_the_demand_out(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl import Controller
+    from vgpu_ctl.planning.carving import advise
+    from vgpu_ctl.planning.demand import load_demand
+    from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
+
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path))
+    demand_file = tmp_path / "demand.yaml"
+    demand_file.write_text("requests:\n  - {profile: H100-3-40C, count: 4, vcpus: 4, memory: 16GiB, pool: p}\n")
+    with Controller(f"sqlite:///{tmp_path / 'a.db'}", state_path=tmp_path) as c:
+        c.apply_inventory(write_inventory(tmp_path, ADVISED_FLEET))
+        c.create_tenant("acme")
+        for name in ("x", "y"):  # a 1g slice on each: the fixed 4g+2g+1g layout can never take a 3g
+            c.request_vm("acme", name, "H100-1-10C", vcpus=4, memory_mib=16384)
+        demand = load_demand(demand_file, c.catalog)
+        before = store_snapshot(c)
+        advice = advise(c.catalog, fleet_snapshot(c), demand)
+        wanted = [f"{g.host}/{g.pci}" for g in advice.gpus if g.action == "move VMs first"]
+        assert wanted == ["sim-h/0000:19:00.0"]
+        p = c.rebalance_plan("advised", demand=demand)
+        assert [f.name for f in p.freed] == wanted and p.vms_moved == 1
+        assert store_snapshot(c) == before
+        # Pack puts the slice where the other GPU can still take a 3g (not at start 0, which best-fit would take).
+        other = next(g for g in p.after.hosts[0].gpus if g.pci == "0000:3b:00.0")
+        assert other.occupancy.misfit("H100-3-40C") is None
+        assert c.rebalance_apply(p.moves)["done"]
+        check_store_invariants(c.engine)
+        assert c.rebalance_plan("advised", demand=demand).moves == ()

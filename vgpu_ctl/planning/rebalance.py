@@ -10,7 +10,8 @@ The search is greedy and never touches the input:
 - targets are tried in order of fewest VMs to move, then least occupied; a target is taken only when every VM
   on it finds a new place, else the attempt is undone and the next target is tried;
 - a VM moves whole (all its vGPUs together, as placement places it), stays in its pool, keeps its profiles, and
-  lands where `core.placement.plan` (best-fit, the real geometry: MIG starts and slices, mixed-size placement ids,
+  lands where `core.placement.plan` (pack, fragmentation-aware, so that a move cuts least of what the GPUs can still
+  take; the real geometry: MIG starts and slices, mixed-size placement ids,
   one type per equal-size GPU, fixed MIG layouts, host vCPUs, memory, labels, anti-affinity, host state) puts it,
   among the GPUs that are not a target being freed or already freed and that already hold devices (free-gpus,
   advised) or are on hosts that already hold VMs (free-hosts): a move never takes an empty GPU (host) to free
@@ -34,7 +35,7 @@ from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, get_pol
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu
 
-POLICY = "best-fit"  # moved VMs go to the fullest GPU they fit
+POLICY = "pack"  # fragmentation-aware: a moved VM lands where it least cuts what the GPUs can still take
 
 
 class Goal(StrEnum):
