@@ -315,3 +315,74 @@ def test_readme_rebalance_example(cli: Cli) -> None:
     events = next(out for args, out in outputs if args == ["events"])
     assert "vm.move" in events
     assert cli.json("rebalance", "--plan", "--pool", "workstations")["moves"] == []
+
+
+def _generated_inventory(seed: int) -> str:
+    import random
+    rng = random.Random(seed)
+    lines = ["pools:", "  - {name: g, policy: spread}", "hosts:"]
+    for h in range(3):
+        lines += [f"  - name: gen-{h}", f'    uri: "simulated:///gen-{h}"', "    driver: simulated",
+                  "    vcpus: 64", "    memory_mib: 262144", "    gpus:"]
+        for j in range(rng.randint(1, 3)):
+            model = rng.choice(["H100-80GB", "L40S"])
+            mode = "mig" if model == "H100-80GB" else "vgpu-mixed"
+            lines.append(f'      - {{pci: "0000:{0x17 + j:02x}:00.0", model: {model}, mode: {mode}, pool: g}}')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_apply_on_a_generated_fleet_frees_what_the_plan_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              seed: int) -> None:
+    import random
+
+    from vgpu_ctl.errors import Refused
+    rng = random.Random(seed)
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path))
+    with Controller(f"sqlite:///{tmp_path / 'g.db'}", state_path=tmp_path) as c:
+        c.apply_inventory(write_inventory(tmp_path, _generated_inventory(seed)))
+        c.create_tenant("acme")
+        names = []
+        for n in range(14):
+            profile = rng.choice(["H100-1-10C", "H100-2-20C", "L40S-8C", "L40S-12C", "L40S-4C"])
+            try:
+                c.request_vm("acme", f"v{n}", profile, vcpus=2, memory_mib=4096, pool="g")
+                names.append(f"v{n}")
+            except Refused:
+                continue
+        for name in rng.sample(names, len(names) // 3):
+            c.release_vm(f"acme/{name}")
+        for name in rng.sample(sorted(set(names) - {e["params"]["name"] for e in c.events()
+                                                    if e["action"] == "vm.delete"}), 2):
+            c.stop_vm(f"acme/{name}")  # stopped VMs move too, and stay stopped
+        states = {v.name: v.state for v in c.list_vms()}
+        plan = c.rebalance_plan()
+        assert plan.moves, "a spread fleet with departures has GPUs to free"
+        before_usage, sums = usage(c), check_store_invariants(c.engine)
+        report = c.rebalance_apply(plan.moves)
+        assert report["done"] and len(report["applied"]) == len(plan.moves)
+        assert usage(c) == before_usage and check_store_invariants(c.engine) == sums
+        assert {v.name: v.state for v in c.list_vms()} == states
+        moves = [e for e in c.events() if e["action"] == "vm.move"]
+        assert [e["params"]["name"] for e in moves] == [m.name for m in plan.moves]
+        with c.engine.connect() as conn:
+            in_use = conn.execute(alloc.GPU.select().where(alloc.GPU.c.device_count > 0)).all()
+        assert len(in_use) == plan.to_dict()["summary"]["in_use_gpus_after"]
+        for f in plan.freed:
+            assert not any(g.pci_address == f.pci and g.host_id == _host_id(c, f.host) for g in in_use)
+        assert c.reconcile().findings == []
+
+
+def _host_id(c: Controller, name: str) -> int:
+    with c.engine.connect() as conn:
+        return int(conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == name)).one().id)
+
+
+def test_the_api_refuses_a_tenant(cli: Cli) -> None:
+    from vgpu_ctl.errors import PermissionDenied
+    token = cli("tenant", "token", "acme").stdout.strip().split()[-1]
+    with Controller(cli.url, token=token) as c:
+        with pytest.raises(PermissionDenied):
+            c.rebalance_plan()
+        with pytest.raises(PermissionDenied):
+            c.rebalance_apply(())
