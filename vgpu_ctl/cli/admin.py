@@ -379,11 +379,11 @@ def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is 
     """Compare store and hosts: orphan devices, unknown domains, lost VMs, stuck claims; repair with --fix."""
     fmt = out_format(as_json, output)
 
-    def confirm(f: Any, question: str) -> bool:
+    def confirm(f: Any, what: str, question: str) -> bool:
         if yes:
             return True
         bar.stop()
-        err_console.print(f"{f.host}: domain {f.target} belongs to a VM this store does not know "
+        err_console.print(f"{f.host}: domain {f.target} {what}, but its VM is not in this store "
                           "(another store's, or one restored from an older backup?)", markup=False)
         try:
             answer = bool(typer.confirm(question, default=False, err=True))
@@ -393,10 +393,10 @@ def reconcile_cmd(fix: bool = typer.Option(False, "--fix", help="Repair what is 
         return answer
 
     def ask(f: Any) -> bool:
-        return confirm(f, "undefine it (destroying the running VM)?")
+        return confirm(f, "is running", "undefine it (destroying the running VM)?")
 
     def ask_adopt(f: Any) -> bool:
-        return confirm(f, "adopt it (claim its VM in this store, as it runs)?")
+        return confirm(f, "was made by vgpu-ctl", "adopt it (claim its VM in this store, as it is on the host)?")
 
     with progress(disable=machine(fmt)) as bar:
         task = bar.add_task("reconciling hosts", total=None)
