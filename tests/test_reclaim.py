@@ -61,6 +61,14 @@ def test_reclaim_requeues_a_borrowed_vm_and_the_reclaimer_runs(ctl: Controller) 
     check_store_invariants(ctl.engine)
 
 
+def test_a_dry_run_shows_the_reclaim_and_changes_nothing(ctl: Controller) -> None:
+    lender_fills_the_gpu(ctl)
+    before = store_snapshot(ctl)
+    plan = ctl.scheduling.preview("beta", "b0", [(SLICE, 1)], vcpus=1, memory_mib=1024, pool="inference")
+    assert plan.reason == "reclaim" and [(v.tenant, v.name) for v in plan.victims] == [("acme", "a7")]
+    assert store_snapshot(ctl) == before
+
+
 def test_reclaim_up_to_the_guarantee_and_never_the_lenders_guaranteed_vms(ctl: Controller) -> None:
     lender_fills_the_gpu(ctl)
     guaranteed = {v.id for v in ctl.list_vms() if not flags(ctl)[f"acme/{v.name}"]}

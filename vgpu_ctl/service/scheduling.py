@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table, and_, delete, func, insert, or_, select, update
+from sqlalchemy import Integer, String, Table, and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.fairshare import (
@@ -68,6 +68,7 @@ from vgpu_ctl.store.models import (
     utcnow,
 )
 from vgpu_ctl.store.models import PriorityClass as PriorityClassRow
+from vgpu_ctl.store.prepared import Prepared
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -340,6 +341,12 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
     return fb, compute
 
 
+# A VM's scheduling row; `borrowed` computed in the statement from its tenant's rows (`over_guarantee`).
+_INSERT_SCHED = Prepared(insert(VMSCHED).values(
+    {**{c.name: bindparam(c.name, type_=c.type) for c in VMSCHED.columns if c.name != "borrowed"},
+     "borrowed": alloc.over_guarantee(bindparam("b_tenant", type_=Integer), bindparam("b_vm", type_=String))}))
+
+
 def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
            history: Mapping[str, Any] | None = None) -> None:
     """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
@@ -349,12 +356,12 @@ def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: Prio
     h = history or {}
     now = time.time()
     protected = h.get("protected_below")  # a requeued victim: its cool-down runs from this admission
-    conn.execute(insert(VMSCHED).values(
-        vm_id=vm_id, tenant_id=tenant_id, class_name=cls.name or None, priority=cls.value,
-        preemptible=cls.preemptible, admitted_at=now, fb_gib=fb, compute_slices=compute,
-        preemptions=int(h.get("preemptions", 0)), protected_below=protected,
-        protected_until=now + float(h.get("cooldown_s", 0.0)) if protected is not None else None,
-        borrowed=alloc.over_guarantee(tenant_id, vm_id)))  # usage after this claim's charge, under its lock
+    _INSERT_SCHED.run(conn, {  # borrowed: from the usage after this claim's charge, under its lock
+        "vm_id": vm_id, "tenant_id": tenant_id, "class_name": cls.name or None, "priority": cls.value,
+        "preemptible": cls.preemptible, "admitted_at": now, "fb_gib": fb, "compute_slices": compute,
+        "preemptions": int(h.get("preemptions", 0)), "protected_below": protected,
+        "protected_until": now + float(h.get("cooldown_s", 0.0)) if protected is not None else None,
+        "b_tenant": tenant_id, "b_vm": vm_id})
 
 
 # -- fair share -------------------------------------------------------------------------------------------------
@@ -614,19 +621,25 @@ def _pools_for(ctl: Controller, conn: Connection, req: VmRequest) -> list[Any]:
 
 
 def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
-    """What preempting for the request would free (nothing happens): its class, the pool and host, the victims.
-    NoCapacity when no allowed set of victims makes room; InvalidInput as the request itself would get."""
+    """What preempting for the request would free (nothing happens): its class, the pool and host, the victims,
+    and the reason (`reclaim` when the request stays within its tenant's guarantee and taking back borrowed VMs
+    makes room, as the request itself would do first; else `capacity`). NoCapacity when no allowed set of
+    victims makes room; InvalidInput as the request itself would get."""
+    reclaim = may_reclaim(ctl, req, None)
     with ctl.engine.connect() as conn:
         t_id = ctl._tenant_id(conn, req.tenant)
         cls = resolve(conn, t_id, req.tenant, req.priority)
         pools = _pools_for(ctl, conn, req)
-        found = plan_preemption(ctl, conn, req, cls, pools)
+        found = plan_preemption(ctl, conn, req, cls, pools, reclaim=True) if reclaim else None
+        reason = "reclaim"
+        if found is None:
+            found, reason = plan_preemption(ctl, conn, req, cls, pools), "capacity"
         if found is None:
             raise _no_victims(req, cls)
         pre, pool, rows = found
         host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
         return PreemptionPlan(cls.name or None, cls.value, pool.name, host, _victims(conn, pre, rows),
-                              "fits without preemption" if not pre.victims else "capacity")
+                              "fits without preemption" if not pre.victims else reason)
 
 
 def _no_reclaim(req: VmRequest) -> NoCapacity:
