@@ -200,3 +200,26 @@ def test_readme_borrowing_example(cli: Cli) -> None:
     assert sorted((v["tenant"], v["name"]) for v in cli.json("vm", "list")) == [("beta", "serve")]
     pre = next(e for e in cli.json("events") if e["action"] == "vm.preempt")
     assert pre["params"]["reason"] == "reclaim"
+
+
+def test_concurrent_claims_borrow_exactly_what_passes_the_guarantee(ctl: Controller, store_url: str) -> None:
+    """Eight claims at once from eight controllers: each claim's flag is decided under the tenant row's lock from
+    the usage after its own charge, so exactly the claims past the guarantee are borrowed, whatever the order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ctl.create_tenant("acme")
+    ctl.set_quota("acme", {"vgpus": 8}, guarantees={"vgpus": 3})
+
+    def claim(i: int) -> str:
+        with Controller(store_url) as c:
+            return str(small(c, "acme", f"vm{i}").id)
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(claim, range(8)))
+    assert len(set(ids)) == 8
+    flags = borrowed(ctl)
+    assert sorted(flags.values()) == [False] * 3 + [True] * 5
+    with ctl.engine.connect() as conn:  # in the order the claims took the lock: the first three are guaranteed
+        order = [bool(r[0]) for r in conn.execute(text("SELECT borrowed FROM vm_sched ORDER BY admitted_at"))]
+    assert order == [False] * 3 + [True] * 5
+    check_store_invariants(ctl.engine)
