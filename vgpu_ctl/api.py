@@ -127,7 +127,8 @@ class VgpuApi(Protocol):
         """Revoke the tenant's token."""
 
     def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None,
-                  if_generation: int | None = None) -> dict[str, Any]:
+                  if_generation: int | None = None,
+                  guarantees: Mapping[str, int | None] | None = None) -> dict[str, Any]:
         """Set or clear limits of a tenant; the changes."""
 
     def tenant_usage(self, tenant: str) -> list[dict[str, Any]]:

@@ -286,10 +286,14 @@ class Client:
         self.request("DELETE", f"/v1/tenants/{_q(name)}/token")
 
     def set_quota(self, tenant: str, limits: Mapping[str, int | None], pool: str | None = None,
-                  if_generation: int | None = None) -> dict[str, Any]:
-        """Set (int) or clear (None) limits of a tenant, globally or within one pool; the changes."""
-        out: dict[str, Any] = self.request("PUT", f"/v1/tenants/{_q(tenant)}/quota",
-                                           json={"limits": dict(limits), "pool": pool},
+                  if_generation: int | None = None,
+                  guarantees: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+        """Set (int) or clear (None) limits of a tenant, and their guaranteed parts, globally or within one
+        pool; the changes."""
+        body: dict[str, Any] = {"limits": dict(limits), "pool": pool}
+        if guarantees:
+            body["guarantees"] = dict(guarantees)
+        out: dict[str, Any] = self.request("PUT", f"/v1/tenants/{_q(tenant)}/quota", json=body,
                                            headers=self._if_match(if_generation)).json()
         return out
 

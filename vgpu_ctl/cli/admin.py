@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -345,11 +344,7 @@ def quota_set(tenant: str = TENANT_ARG, pool: str = typer.Option(None, help="Lim
 
     def go(c: Any) -> tuple[dict[str, int | None], list[dict[str, Any]]]:
         limits, guarantees = build(), build_guarantees()
-        if guarantees and "guarantees" not in inspect.signature(c.set_quota).parameters:
-            raise InvalidInput("quota guarantees can't be set with --server yet (the REST API does not take them); "
-                               "set them where the store is", reasons=[{"field": "server", "value": "guarantees"}])
-        changes = c.set_quota(tenant, limits, pool=pool, guarantees=guarantees) if guarantees \
-            else c.set_quota(tenant, limits, pool=pool)
+        changes = c.set_quota(tenant, limits, pool=pool, guarantees=guarantees or None)
         return changes, c.tenant_usage(tenant)
 
     changes, usage = run(fmt, go)

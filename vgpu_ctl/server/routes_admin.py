@@ -164,7 +164,8 @@ def get_quota(request: Request, response: Response, name: str = TENANT) -> list[
 def set_quota(request: Request, body: QuotaSet, response: Response, name: str = TENANT) -> dict[str, Any]:
     """Set or clear limits; `If-Match` (the tenant's ETag) guards against a stale read."""
     ctl = writer(request)
-    changes = ctl.set_quota(name, body.limits, pool=body.pool, if_generation=if_match(request))
+    changes = ctl.set_quota(name, body.limits, pool=body.pool, if_generation=if_match(request),
+                            guarantees=body.guarantees)
     response.headers["ETag"] = etag(ctl.get_tenant(name)["generation"])
     return changes
 

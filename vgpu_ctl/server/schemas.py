@@ -76,7 +76,7 @@ class TenantCreate(BaseModel):
 
 class QuotaSet(BaseModel):
     """Limits to set (a number) or clear (null), globally or within `pool`. Keys: vms, vgpus,
-    framebuffer_mib, vcpus, memory_mib, profile:NAME."""
+    framebuffer_mib, vcpus, memory_mib, profile:NAME; `guarantees` the same for the base resources."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"limits": {"vgpus": 8, "framebuffer_mib": 163840, "profile:A100D-10C": 4}}]})
@@ -85,6 +85,12 @@ class QuotaSet(BaseModel):
         "additionalProperties": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LIMIT},
                                            {"type": "null"}]}})
     pool: str | None = name_field("Limits within this pool only", "inference", default=None)
+    guarantees: dict[str, StrictInt | None] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"pattern": "^(vms|vgpus|framebuffer_mib|vcpus|memory_mib)$"},
+        "additionalProperties": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LIMIT},
+                                           {"type": "null"}]}},
+        description="The guaranteed part of each base limit (null clears it): use above it is borrowed, "
+                    "reclaimable by tenants below their guarantee")
 
 
 class TokenCreate(BaseModel):
