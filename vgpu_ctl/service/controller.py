@@ -475,7 +475,11 @@ class Controller:
         return [p for p in pools if all(offers[(p.id, w)] for w in wanted)] or list(pools)
 
     def _framebuffer(self, profile: str) -> int:
-        model = self.catalog.models_offering(profile)[0]
+        offering = self.catalog.models_offering(profile)
+        if not offering:  # callers that charge before they check the profiles get the request's own error
+            raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, self.catalog.profile_names())} "
+                               "(see vgpuctl profiles list)", reasons=[{"field": "profile", "value": profile}])
+        model = offering[0]
         p = self.catalog.profile(model, profile)
         assert p is not None
         return p.framebuffer_mib
