@@ -52,7 +52,17 @@ port=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 .venv/bin/vgpuctl serve --listen "127.0.0.1:$port" --reconcile-interval 0 --log-level warning &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+.venv/bin/python - "$port" <<'PY'  # wait until it answers (httpx comes with vgpu-ctl; curl may not be installed)
+import sys, time, httpx
+for _ in range(200):
+    try:
+        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=1).status_code == 200:
+            break
+    except httpx.TransportError:
+        time.sleep(0.1)
+else:
+    sys.exit("vgpuctl serve did not answer /healthz within 20 s")
+PY
 token=$(.venv/bin/vgpuctl tenant token acme)
 r() { echo "+ vgpuctl --server http://127.0.0.1:$port $*"; VGPU_CTL_TOKEN="$token" .venv/bin/vgpuctl --server "http://127.0.0.1:$port" "$@"; }
 r vm create --tenant acme --name remote-1 --profile H100-1-10C --vcpus 4 --memory 16GiB --pool inference
