@@ -14,8 +14,8 @@ from vgpu_ctl.inventory import check_int
 METRICS_ACCESS = ("token", "loopback", "open")
 _TEXT = ("listen", "store", "state_dir", "tls_cert", "tls_key", "metrics_access")
 _OPTIONAL = ("store", "state_dir", "tls_cert", "tls_key")
-_SECONDS = ("operation_lease_s", "reconcile_interval_s", "recovery_interval_s", "idempotency_ttl_s",
-            "drain_timeout_s")
+_SECONDS = ("operation_lease_s", "reconcile_interval_s", "recovery_interval_s", "utilization_interval_s",
+            "idempotency_ttl_s", "drain_timeout_s")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class ServerConfig:
     operation_lease_s: float = 30.0  # a dead worker's operations are taken over this long after it stopped
     reconcile_interval_s: float = 300.0  # 0: no reconcile loop
     recovery_interval_s: float = 2.0  # how often the leader looks for operations left behind
+    utilization_interval_s: float = 60.0  # how often the leader samples NVML for spread-load (0: never)
     idempotency_ttl_s: float = 86400.0
     metrics_access: str = "token"  # token: an admin or reader token; loopback: also without one from 127.0.0.1
     drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight operations may take to finish

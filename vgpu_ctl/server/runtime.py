@@ -42,6 +42,9 @@ class LoopStats:
     operations_run: dict[str, int] = field(default_factory=dict)  # by final state
     queue_runs: int = 0  # admission tries of the scheduling queue by the leader loop
     queue_admitted: int = 0
+    utilization_samples: int = 0  # NVML sampling rounds of the leader (for spread-load)
+    utilization_errors: int = 0
+    gpu_loads_recorded: int = 0  # GPUs the last round measured
 
 
 def open_store(cfg: ServerConfig) -> ServiceContext:
@@ -78,7 +81,8 @@ class Runtime:
         self._elector = self.ctx.elector()
         self.leading = False
         self._threads = [threading.Thread(target=self._renew_loop, name="vgpu-renew", daemon=True),
-                         threading.Thread(target=self._leader_loop, name="vgpu-leader", daemon=True)]
+                         threading.Thread(target=self._leader_loop, name="vgpu-leader", daemon=True),
+                         threading.Thread(target=self._utilization_loop, name="vgpu-utilization", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -179,6 +183,23 @@ class Runtime:
             except Exception:
                 log.warning("leader loop failed", exc_info=True)
             self._stop.wait(self.cfg.recovery_interval_s)
+
+    def _utilization_loop(self) -> None:
+        """While this replica leads, sample NVML on the hosts every utilization_interval_s and keep each GPU's
+        load for spread-load pools (its own thread: an unreachable host must not hold up the other loops)."""
+        every = self.cfg.utilization_interval_s
+        if every <= 0:
+            return
+        while not self._stop.wait(every):
+            if not (self.leading and self._accepting):
+                continue
+            try:
+                from vgpu_ctl.service.utilization import record_loads
+                self.stats.utilization_samples += 1
+                self.stats.gpu_loads_recorded = record_loads(self.server)
+            except Exception:
+                self.stats.utilization_errors += 1
+                log.warning("sampling GPU utilization failed", exc_info=True)
 
     def _heartbeat(self) -> None:
         until = datetime.now(UTC) + timedelta(seconds=max(3 * self.cfg.recovery_interval_s, 5.0))

@@ -599,6 +599,14 @@ class Controller:
                     (fits if c.plan is not None else others).append(row)
         return (fits + others)[:limit]
 
+    def record_gpu_loads(self, loads: Mapping[int, float]) -> int:
+        """Keep measured GPU loads (store GPU id -> 0..1, from NVML) as what spread-load pools place by; how
+        many (admin only: the server's leader records them on an interval)."""
+        self._admin("record GPU loads")
+        from vgpu_ctl.service import gpu_loads
+        with self.tx() as conn:
+            return gpu_loads.record(conn, loads)
+
     def _made_by_key(self, req: VmRequest, vm_id: str, provision: bool) -> VmInfo:
         """The VM an earlier request with the same idempotency key made, as it is now: Conflict naming the key
         when that request asked for something else, or when the VM failed. A VM still being provisioned with
@@ -784,6 +792,11 @@ class Controller:
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
         policy = pool_policy(pool.policy, pool.demand)
+        if pool.policy == "spread-load":  # weighs what the pool's GPUs were last measured doing
+            from vgpu_ctl.core.policies.spread_load import make_with_load
+            from vgpu_ctl.service import gpu_loads
+            with self.engine.connect() as side:  # not on `conn`: the claim's reads there stay outside SQLAlchemy
+                policy = make_with_load(gpu_loads.recent(side, pool.id))
         for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:

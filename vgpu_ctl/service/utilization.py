@@ -349,6 +349,11 @@ class IdleTracker:
         return out
 
 
+def record_loads(ctl: Controller, sampler: Sampler | None = None) -> int:
+    """Sample every host now and keep each GPU's measured load for the spread-load policy; how many GPUs."""
+    return ctl.record_gpu_loads(load_by_gpu(collect_usage(ctl, sampler)))
+
+
 def spread_load_policy(usage: FleetUsage) -> Policy:
     """The spread-load placement policy weighing the loads measured in this round."""
     return make_with_load(load_by_gpu(usage))

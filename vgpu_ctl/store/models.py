@@ -440,3 +440,16 @@ class UsageLedger(SQLModel, table=True):
     fb_gib_h: float = 0.0
     compute_h: float = 0.0
     as_of: float = 0.0
+
+
+class GpuLoad(SQLModel, table=True):
+    """What each GPU was last measured doing (0..1, NVML on its host, see service.utilization), and when: what the
+    spread-load policy weighs when it places. Gone with its GPU."""
+
+    __tablename__ = "gpu_load"
+    __table_args__ = (CheckConstraint("busy >= 0 AND busy <= 1", name="gpu_load_ratio"),)
+
+    gpu_id: int = Field(primary_key=True, foreign_key="gpu.id", ondelete="CASCADE")
+    busy: float
+    sampled_at: datetime = Field(default_factory=utcnow)
+
