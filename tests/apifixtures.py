@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from vgpu_ctl import Controller
 
@@ -168,3 +169,14 @@ def problem_of(response: httpx.Response, status: int, code: str) -> dict[str, An
     assert body["type"] == f"urn:vgpu-ctl:error:{code}" and body["title"] and body["detail"] == body["message"]
     assert isinstance(body["reasons"], list)
     return body
+
+
+def require_module_ran(request: pytest.FixtureRequest, ran: set[str], fixture: str) -> None:
+    """Skip unless every other test of the module that records its calls (through `fixture`) is in `ran`, the
+    tests that ran in this process (not so with -k, -m or xdist by test)."""
+    import inspect
+    mine = {n for n, f in vars(request.module).items() if n.startswith("test_")
+            and fixture in inspect.signature(f).parameters} - {request.node.originalname}
+    if mine - ran:
+        pytest.skip(f"counts what the module's other tests called; {len(mine - ran)} of them did not run here")
+

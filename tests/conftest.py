@@ -224,6 +224,22 @@ class Cli:
         assert result.exit_code == code, (result.exit_code, result.output)
         return json.loads(result.stdout)
 
+    def readme_block(self, pattern: str) -> list[tuple[list[str], str]]:
+        """Run each `vgpuctl` line of the README's ```sh block that `pattern` (a regex ending where the block
+        starts) finds, asserting exit 0; each line's arguments with its output."""
+        import re
+        import shlex
+        block = re.search(pattern + r".*?```sh\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+        assert block is not None, pattern
+        outputs = []
+        for line in block.group(1).splitlines():
+            args = shlex.split(line, comments=True)
+            assert args[0] == "vgpuctl"
+            result = self(*args[1:])
+            assert result.exit_code == 0, (line, result.output)
+            outputs.append((args[1:], result.output))
+        return outputs
+
 
 @pytest.fixture
 def cli(state_dir: Path, sqlite_url: str) -> Iterator[Cli]:

@@ -4,7 +4,6 @@ Idempotency-Key, and bad input that changes nothing."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import time
@@ -14,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from apifixtures import DEMO, READER_TOKEN_NAME, ApiServer, api_server, problem_of, wait_operation
+from apifixtures import DEMO, READER_TOKEN_NAME, ApiServer, api_server, problem_of, require_module_ran, wait_operation
 from conftest import store_snapshot
 from typer.testing import CliRunner
 
@@ -26,15 +25,6 @@ RAN: set[str] = set()  # the tests of this module that ran in this process
 @pytest.fixture(autouse=True)
 def _ran(request: pytest.FixtureRequest) -> None:
     RAN.add(request.node.originalname)
-
-
-def _all_ran(request: pytest.FixtureRequest) -> None:
-    """Skip unless every other test of the module that records its calls (through the `http` fixture) ran in
-    this process (not so with -k, -m or xdist)."""
-    mine = {n for n, f in vars(request.module).items() if n.startswith("test_")
-            and "http" in inspect.signature(f).parameters} - {request.node.originalname}
-    if mine - RAN:
-        pytest.skip(f"counts what the module's other tests called; {len(mine - RAN)} of them did not run here")
 
 
 @pytest.fixture(scope="module")
@@ -890,7 +880,7 @@ def test_zz_every_endpoint_was_exercised(request: pytest.FixtureRequest,
     """Runs last: every operation of the OpenAPI document answered a test above with success (but the
     scheduling endpoints, whose own tests are in test_api_scheduling.py; schemathesis and the
     isolation tests cover them here)."""
-    _all_ran(request)
+    require_module_ran(request, RAN, "http")
     from vgpu_ctl.server import routes_scheduling
     theirs = {(m, r.path) for r in routes_scheduling.router.routes for m in getattr(r, "methods", ())}
     wanted = {tuple(name.split(" ", 1)) for name, _ in templates} - theirs

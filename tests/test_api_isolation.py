@@ -4,7 +4,6 @@ events, status and operations show only the caller's own; and nothing of the fir
 
 from __future__ import annotations
 
-import inspect
 import re
 import time
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from apifixtures import DEMO, ApiServer, api_server, problem_of, wait_operation
+from apifixtures import DEMO, ApiServer, api_server, problem_of, require_module_ran, wait_operation
 from conftest import store_snapshot
 
 VM: dict[str, Any] = {"vgpus": [{"profile": "1g.10gb"}], "vcpus": 2, "memory_mib": 2048}
@@ -23,15 +22,6 @@ RAN: set[str] = set()  # the tests of this module that ran in this process
 @pytest.fixture(autouse=True)
 def _ran(request: pytest.FixtureRequest) -> None:
     RAN.add(request.node.originalname)
-
-
-def _all_ran(request: pytest.FixtureRequest) -> None:
-    """Skip unless every other test of the module that records its calls (through the `globex` fixture) ran in
-    this process (not so with -k, -m or xdist)."""
-    mine = {n for n, f in vars(request.module).items() if n.startswith("test_")
-            and "globex" in inspect.signature(f).parameters} - {request.node.originalname}
-    if mine - RAN:
-        pytest.skip(f"counts what the module's other tests called; {len(mine - RAN)} of them did not run here")
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +241,6 @@ def test_scheduling_shows_only_the_callers_own(world: dict[str, Any], globex: ht
 def test_zz_every_endpoint_was_called_by_the_second_tenant(request: pytest.FixtureRequest,
                                                           world: dict[str, Any]) -> None:
     """Runs last: every operation of the OpenAPI document was called with globex's token."""
-    _all_ran(request)
+    require_module_ran(request, RAN, "globex")
     wanted = {f"{m.upper()} {p}" for p, item in world["doc"]["paths"].items() for m in item} - {"GET /healthz"}
     assert wanted - CALLED == set()

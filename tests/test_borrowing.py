@@ -7,13 +7,12 @@ migration goes down and up with VMs in the store."""
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 from alembic import command
-from conftest import DEMO, REPO, Cli, check_store_invariants, store_snapshot
+from conftest import DEMO, Cli, check_store_invariants, store_snapshot
 from sqlalchemy import text
 
 from vgpu_ctl import Controller
@@ -183,16 +182,7 @@ def test_migration_0007_down_and_up_with_vms(store_url: str, state_dir: Path) ->
 
 
 def test_readme_borrowing_example(cli: Cli) -> None:
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"## Scheduling\n.*?\*\*Borrowing\.\*\*.*?```sh\n(.*?)```", readme, re.S)
-    assert block is not None
-    outputs = []
-    for line in block.group(1).splitlines():
-        args = shlex.split(line, comments=True)
-        assert args[0] == "vgpuctl"
-        result = cli(*args[1:])
-        assert result.exit_code == 0, (line, result.output)
-        outputs.append((args[1:], result.output))
+    outputs = cli.readme_block(r"## Scheduling\n.*?\*\*Borrowing\.\*\*")
     usage = next(out for args, out in outputs if args[:2] == ["tenant", "usage"])
     assert re.search(r"vgpus\s+│?\s*1\s+│?\s*0\s+│?\s*1\s+│?\s*1", usage), usage
     queue = next(out for args, out in outputs if args == ["queue"])

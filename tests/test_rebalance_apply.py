@@ -294,20 +294,7 @@ def test_a_failed_move_on_the_same_host_gets_its_old_domain_back(cli: Cli, step:
 
 
 def test_readme_rebalance_example(cli: Cli) -> None:
-    import re
-    import shlex
-
-    from tests.conftest import REPO
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"### Rebalance\n.*?```sh\n(.*?)```", readme, re.S)
-    assert block is not None
-    outputs = []
-    for line in block.group(1).splitlines():
-        args = shlex.split(line, comments=True)
-        assert args[0] == "vgpuctl"
-        result = cli(*args[1:])
-        assert result.exit_code == 0, (line, result.output)
-        outputs.append((args[1:], result.output))
+    outputs = cli.readme_block(r"### Rebalance\n")
     plan = next(out for args, out in outputs if "--plan" in args)
     assert "1 move of 1 VM free 1 GPU" in plan
     applied = next(out for args, out in outputs if "--apply" in args)

@@ -116,11 +116,8 @@ def _setup(url: str, state_dir: Path, folder: Path) -> Store:
     return Store(url, state_dir, folder, token)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, state_dir: Path, tmp_path: Path) -> Iterator[Store]:
-    """A store (SQLite file, or a fresh PostgreSQL schema) ready for servers; its servers killed at the end."""
-    url = str(request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url"))
-    s = _setup(url, state_dir, tmp_path)
+def _servers_killed_after(s: Store) -> Iterator[Store]:
+    """Yield the store; then kill every server a test left running on it."""
     try:
         yield s
     finally:
@@ -128,19 +125,19 @@ def store(request: pytest.FixtureRequest, state_dir: Path, tmp_path: Path) -> It
             if rep.process.poll() is None:
                 rep.process.kill()
                 rep.process.wait(10)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, state_dir: Path, tmp_path: Path) -> Iterator[Store]:
+    """A store (SQLite file, or a fresh PostgreSQL schema) ready for servers; its servers killed at the end."""
+    url = str(request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url"))
+    yield from _servers_killed_after(_setup(url, state_dir, tmp_path))
 
 
 @pytest.fixture
 def sqlite_store(state_dir: Path, sqlite_url: str, tmp_path: Path) -> Iterator[Store]:
     """A SQLite store ready for servers; its servers killed at the end."""
-    s = _setup(sqlite_url, state_dir, tmp_path)
-    try:
-        yield s
-    finally:
-        for rep in s.replicas:
-            if rep.process.poll() is None:
-                rep.process.kill()
-                rep.process.wait(10)
+    yield from _servers_killed_after(_setup(sqlite_url, state_dir, tmp_path))
 
 
 def _ready(store: Store, rep: Replica) -> dict[str, Any]:

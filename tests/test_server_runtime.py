@@ -180,22 +180,29 @@ def _runtime(tmp_path: Path, **cfg: Any) -> Any:
     return Runtime(ServerConfig(store=url, reconcile_interval_s=0, **cfg))
 
 
+def _held_create(rt: Any, gate: Path, name: str) -> tuple[Any, Any]:
+    """A create submitted and dispatched on `rt`, held by the simulated host at the step `gate` guards until
+    the gate is removed; the Controller and the operation, once the host waits there."""
+    from vgpu_ctl.service.principals import Principal
+    ctl = rt.controller(Principal("test"))
+    gate.touch()
+    info = ctl.submit_vm_create("acme", name, [("A100D-10C", 1)], vcpus=2, memory_mib=4096,
+                                holder=rt.holder, lease_seconds=rt.cfg.operation_lease_s)
+    rt.dispatch(info.id)
+    deadline = time.monotonic() + 30
+    while not Path(f"{gate}.waiting").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return ctl, info
+
+
 def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path, state_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     gate = tmp_path / "gate"
     monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"define_domain={gate}")
     rt = _runtime(tmp_path)
     try:
-        from vgpu_ctl.service.principals import Principal
-        ctl = rt.controller(Principal("test"))
-        gate.touch()
-        info = ctl.submit_vm_create("acme", "d", [("A100D-10C", 1)], vcpus=2, memory_mib=4096,
-                                    holder=rt.holder, lease_seconds=rt.cfg.operation_lease_s)
-        rt.dispatch(info.id)
-        deadline = time.monotonic() + 30
-        while not Path(f"{gate}.waiting").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        ctl, info = _held_create(rt, gate, "d")
         assert rt.in_flight == 1
         result: list[bool] = []
         t = threading.Thread(target=lambda: result.append(rt.drain(30)))
@@ -220,16 +227,7 @@ def test_a_drain_that_times_out_bounds_the_next_one(tmp_path: Path, state_dir: P
     monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"start_domain={gate}")
     rt = _runtime(tmp_path)
     try:
-        from vgpu_ctl.service.principals import Principal
-        ctl = rt.controller(Principal("test"))
-        gate.touch()
-        info = ctl.submit_vm_create("acme", "t", [("A100D-10C", 1)], vcpus=2, memory_mib=4096,
-                                    holder=rt.holder, lease_seconds=rt.cfg.operation_lease_s)
-        rt.dispatch(info.id)
-        deadline = time.monotonic() + 30
-        while not Path(f"{gate}.waiting").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        ctl, info = _held_create(rt, gate, "t")
         start = time.monotonic()
         assert rt.drain(0.3) is False  # still running: the drain times out, saying so
         assert rt.drain(30) is False  # close() after SIGTERM's drain: no second wait

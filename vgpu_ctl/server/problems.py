@@ -38,11 +38,6 @@ def problem_of(exc: VgpuCtlError) -> JSONResponse:
     return problem(status, exc.code, exc.message, exc.reasons, headers)
 
 
-def error_dict_status(error: dict[str, Any]) -> int:
-    """The HTTP status of an error as an operation records it (`to_dict()` form)."""
-    code = str(error.get("code", "error"))
-    return status_of(code, code in ("refused", "quota_exceeded", "no_capacity"))
-
 
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` of a route for these error statuses: problem details (the app's schema hook

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
@@ -13,6 +15,7 @@ from vgpu_ctl.service.requests import Placement, VmInfo
 
 from .deps import IF_MATCH, controller, etag, if_match, principal_of, runtime, wait_done, wait_seconds, writer
 from .problems import problem_of, problem_responses
+from .runtime import Runtime
 from .schemas import StopVm, VmCreate, VmPage
 
 # Every route authenticates its caller before its parameters and body are read: 401 comes first.
@@ -58,9 +61,22 @@ def _operation_response(request: Request, info: OperationInfo) -> Response:
     return JSONResponse(info.to_dict(), status_code=202, headers=location)
 
 
-def _accepting(request: Request) -> None:
-    if not runtime(request).accepting:
-        raise VgpuCtlError("the server is shutting down; retry on another replica", code="draining")
+async def _run_operation(request: Request, seconds: float,
+                         submit: Callable[[Runtime], OperationInfo]) -> Response:
+    """Accept long work as an operation this server runs (`submit` records it, as the caller, leased to this
+    server), then answer: at once, or once it ended within `seconds`."""
+    def accept() -> OperationInfo:
+        rt = runtime(request)
+        if not rt.accepting:
+            raise VgpuCtlError("the server is shutting down; retry on another replica", code="draining")
+        info = submit(rt)
+        rt.dispatch(info.id)
+        return info
+
+    info = await run_in_threadpool(accept)
+    if seconds > 0:
+        info = await wait_done(request, info, seconds)
+    return _operation_response(request, info)
 
 
 @router.post("/vms", status_code=202, summary="Request a VM (asynchronous: an operation)",
@@ -78,22 +94,15 @@ async def create_vm(request: Request, body: VmCreate,
     own operation in `Operation-Location`)."""
     seconds = wait_seconds(wait)
 
-    def submit() -> OperationInfo:
-        _accepting(request)
-        rt = runtime(request)
-        info = writer(request).submit_vm_create(
+    def submit(rt: Runtime) -> OperationInfo:
+        return writer(request).submit_vm_create(
             _tenant_of(request, body), body.name, [(v.profile, v.count) for v in body.vgpus], vcpus=body.vcpus,
             memory_mib=body.memory_mib, pool=body.pool, labels=body.labels, anti_affinity=body.anti_affinity,
             idempotency_key=body.idempotency_key, template=body.template, priority=body.priority,
             preempt=body.preempt, queue=body.queue, queue_deadline_s=body.queue_deadline_s, holder=rt.holder,
             lease_seconds=rt.cfg.operation_lease_s)
-        rt.dispatch(info.id)
-        return info
 
-    info = await run_in_threadpool(submit)
-    if seconds > 0:
-        info = await wait_done(request, info, seconds)
-    return _operation_response(request, info)
+    return await _run_operation(request, seconds, submit)
 
 
 @router.post("/placements", summary="Where a VM would go (dry run: nothing is claimed)",
@@ -163,18 +172,11 @@ async def delete_vm(request: Request, ref: str = REF,
     """Accept the VM's deletion as an operation (202, `Location`); with `?wait=`, 200 once done."""
     seconds = wait_seconds(wait)
 
-    def submit() -> OperationInfo:
-        _accepting(request)
-        rt = runtime(request)
-        info = writer(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
+    def submit(rt: Runtime) -> OperationInfo:
+        return writer(request).submit_vm_delete(ref, if_generation=if_match(request), holder=rt.holder,
                                                 lease_seconds=rt.cfg.operation_lease_s)
-        rt.dispatch(info.id)
-        return info
 
-    info = await run_in_threadpool(submit)
-    if seconds > 0:
-        info = await wait_done(request, info, seconds)
-    return _operation_response(request, info)
+    return await _run_operation(request, seconds, submit)
 
 
 @router.get("/operations/{op_id}", summary="One operation", response_model=OperationInfo)

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -39,7 +39,6 @@ class LoopStats:
     reconcile_errors: int = 0
     last_reconcile: float | None = None
     leader_since: float | None = None  # when this replica last became leader (time.time())
-    operations_run: dict[str, int] = field(default_factory=dict)  # by final state
     queue_runs: int = 0  # admission tries of the scheduling queue by the leader loop
     queue_admitted: int = 0
     utilization_samples: int = 0  # NVML sampling rounds of the leader (for spread-load)
@@ -71,7 +70,6 @@ class Runtime:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified whenever an operation of this process ends
         self._mine: set[str] = set()  # operations queued or running here
-        self._finished: dict[str, threading.Event] = {}
         self._accepting = True
         self._admitting = False  # a queue admission runs on a worker (one at a time)
         self._closed = False
@@ -110,7 +108,6 @@ class Runtime:
             if op_id in self._mine or self._closed:
                 return
             self._mine.add(op_id)
-            self._finished.setdefault(op_id, threading.Event())
         self._pool.submit(self._run, op_id)
 
     def _run(self, op_id: str) -> None:
@@ -128,26 +125,7 @@ class Runtime:
         finally:
             with self._lock:
                 self._mine.discard(op_id)
-                done = self._finished.pop(op_id, None)
                 self._idle.notify_all()
-            if done is not None:
-                done.set()
-
-    def wait(self, op_id: str, timeout: float, principal: Principal) -> ops.OperationInfo:
-        """The operation once it is done, or as it is after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        ctl = self.controller(principal)
-        while True:
-            info = ctl.get_operation(op_id)
-            left = deadline - time.monotonic()
-            if info.done or left <= 0:
-                return info
-            with self._lock:
-                event = self._finished.get(op_id)
-            if event is not None:  # run here: wake when it ends
-                event.wait(min(left, 1.0))
-            else:  # run by another replica: poll the store
-                time.sleep(min(left, 0.05))
 
     # -- the loops --------------------------------------------------------------------------------------------
 

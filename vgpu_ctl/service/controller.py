@@ -791,12 +791,13 @@ class Controller:
 
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
-        policy = pool_policy(pool.policy, pool.demand)
         if pool.policy == "spread-load":  # weighs what the pool's GPUs were last measured doing
             from vgpu_ctl.core.policies.spread_load import make_with_load
             from vgpu_ctl.service import gpu_loads
             with self.engine.connect() as side:  # not on `conn`: the claim's reads there stay outside SQLAlchemy
                 policy = make_with_load(gpu_loads.recent(side, pool.id))
+        else:
+            policy = pool_policy(pool.policy, pool.demand)
         for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:
@@ -899,7 +900,7 @@ class Controller:
             if missing or len(pool_ids) != 1 or None in pool_ids:
                 raise InvalidInput(f"domain {domain.name!r}: its GPUs ({', '.join(d.gpu_pci for d in claim.devices)}) "
                                    f"are not in one pool of host {host!r} in this store", reasons=where)
-            pool = next(p for p in _ALL_POOLS.rows(conn) if p.id in pool_ids)
+            pool = next(p for p in _ALL_POOLS.rows(conn) if p.id in pool_ids)  # with the columns a claim needs
             names = {pool.id: pool.name}
             page = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, None, names)
             view = next((h for h in page.hosts if h.name == host), None)

@@ -56,9 +56,6 @@ class Principal:
                                    reasons=[{"field": "role", "value": self.role}])
 
 
-ADMIN = Principal("admin")
-
-
 def hash_token(token: str) -> str:
     """The stored form of a token."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -120,5 +117,5 @@ def revoke_api_token(conn: Connection, actor: str, name: str) -> None:
     record(conn, actor, "token.revoke", name)
 
 
-__all__ = ["ADMIN", "ROLES", "Principal", "Role", "authenticate", "create_api_token", "hash_token",
+__all__ = ["ROLES", "Principal", "Role", "authenticate", "create_api_token", "hash_token",
            "list_api_tokens", "new_token", "revoke_api_token"]

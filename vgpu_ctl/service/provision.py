@@ -7,7 +7,7 @@ state that `reconcile` can finish or roll back. A failed step undoes what the re
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
@@ -192,11 +192,19 @@ def _teardown(ctl: Controller, driver: HostDriver, vm: Any, devs: list[Any]) -> 
         driver.undefine_domain(domain_name(vm))
     except Exception as exc:
         errors.append(f"undefine domain: {exc}")
+    return errors + remove_devices(ctl, driver, devs)
+
+
+def remove_devices(ctl: Controller, driver: HostDriver, devs: Sequence[Any], on: str | None = None) -> list[str]:
+    """Remove each device from its host (each tried whatever the others do); the errors met, in words (`on`
+    names the host in them)."""
+    errors = []
+    where = f" on {on}" if on else ""
     for dev in devs:
         try:
             driver.remove_device(device_spec(ctl, dev))
         except Exception as exc:
-            errors.append(f"remove device {dev.uuid}: {exc}")
+            errors.append(f"remove device {dev.uuid}{where}: {exc}")
     return errors
 
 

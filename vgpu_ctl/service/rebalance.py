@@ -185,7 +185,7 @@ def move_vm(ctl: Controller, m: Move) -> None:
     it was running), then free the old claim (host side, then store) and record `vm.move` with from and to.
     If a step before the start fails, what the new place got is undone, the old claim is kept, the VM is started
     where it was, `vm.move` is recorded as failed, and HostError (Conflict when the store changed) is raised."""
-    from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
+    from vgpu_ctl.service.provision import device_spec, domain_name, remove_devices, render_vm
     from vgpu_ctl.service.scheduling import grace_stop, settings
 
     holder = new_holder()
@@ -252,11 +252,7 @@ def move_vm(ctl: Controller, m: Move) -> None:
                 old_driver.undefine_domain(name)
             except Exception as exc:
                 errors.append(f"undefine domain on {old_host.name}: {exc}")
-        for dev in old_devs:
-            try:
-                old_driver.remove_device(device_spec(ctl, dev))
-            except Exception as exc:
-                errors.append(f"remove device {dev.uuid}: {exc}")
+        errors += remove_devices(ctl, old_driver, old_devs)
         with ctl.tx() as conn:
             alloc.free_devices(conn, ctl.catalog, [d._mapping for d in old_devs])
             if new_host.id != old_host.id:
@@ -275,7 +271,7 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
     """Take back what a failed move gave the new place (domain, devices, claim) and start the VM where it was;
     `steps`: whether the new domain's definition was tried, done, and its start tried. What could not be done,
     in words (each step still tried)."""
-    from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
+    from vgpu_ctl.service.provision import domain_name, remove_devices, render_vm
 
     notes: list[str] = []
     name = domain_name(vm)
@@ -299,11 +295,7 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
                     new_driver.undefine_domain(name)
             except Exception as exc:
                 notes.append(f"domain on {new_host.name}: {exc}")
-        for dev in ready:
-            try:
-                new_driver.remove_device(device_spec(ctl, dev))
-            except Exception as exc:
-                notes.append(f"remove device {dev.uuid} on {new_host.name}: {exc}")
+        notes += remove_devices(ctl, new_driver, ready, on=new_host.name)
         if new_ids:
             with ctl.tx() as conn:
                 rows = [d._mapping for d in _devices(conn, vm.id) if d.id in new_ids]
