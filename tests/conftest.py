@@ -131,7 +131,8 @@ def check_store_invariants(engine: Any) -> dict[str, Any]:
     """Check the design's invariants from the tables themselves, with plain SQL (not the service code):
     devices never overlap on a GPU; each GPU's layout, free units, device count and active type mirror its
     devices; tenants' usage (global and scoped) equals the sum of what their VMs hold and never passes a
-    limit; hosts' used vCPUs and memory equal the sum of their VMs. Returns the per-tenant sums."""
+    limit; hosts' used vCPUs and memory equal the sum of their VMs; each host summary (host_fit) adds up its
+    GPUs. Returns the per-tenant sums."""
     from sqlalchemy import text
 
     holding = "('requested', 'placed', 'devices-ready', 'defined', 'running', 'stopped', 'releasing')"
@@ -144,6 +145,9 @@ def check_store_invariants(engine: Any) -> dict[str, Any]:
         scoped = conn.execute(text("SELECT * FROM scoped_quota")).all()
         hosts = conn.execute(text("SELECT * FROM host")).all()
         pools = {r.id: r.name for r in conn.execute(text("SELECT id, name FROM pool"))}
+        summaries = {tuple(r[:5]): tuple(r[5:]) for r in conn.execute(text(
+            "SELECT host_id, pool_id, model, mode, bitval, n_fit, free_units FROM host_fit WHERE n_fit > 0"))}
+        bits = [r[0] for r in conn.execute(text("SELECT bitval FROM fit_bit"))]
 
     by_gpu: dict[int, list[Any]] = {}
     for d in devices:
@@ -161,6 +165,14 @@ def check_store_invariants(engine: Any) -> dict[str, Any]:
         if g.mode == "vgpu-equal":
             assert len({d.profile for d in devs} | ({g.pinned_type} if g.pinned_type else set())) <= 1
             assert g.active_type == (devs[0].profile if devs else None)
+
+    expected: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for g in gpus.values():  # each host summary row adds up its host's GPUs in the pool that can take its bit
+        for bit in (b for b in bits if g.pool_id is not None and g.fits & b):
+            n, free = expected.get((g.host_id, g.pool_id, g.model, g.mode, bit), (0, 0))
+            expected[(g.host_id, g.pool_id, g.model, g.mode, bit)] = (n + 1, free + g.free_units)
+    assert summaries == expected, "host_fit differs from the GPU rows: " + \
+        str(sorted(set(summaries.items()) ^ set(expected.items()))[:5])
 
     sums: dict[int, dict[tuple[str, str], int]] = {t.id: {} for t in tenants}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -30,7 +30,7 @@ from vgpu_ctl.core.geometry import (
 )
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
-from vgpu_ctl.store.models import Device, Gpu, Host, Pool, ScopedQuota, Tenant, Vm
+from vgpu_ctl.store.models import Device, Gpu, Host, HostFit, Pool, ScopedQuota, Tenant, Vm
 from vgpu_ctl.store.prepared import Prepared, insert_all
 
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
@@ -38,8 +38,10 @@ HOST: Table = Host.__table__  # type: ignore[attr-defined]
 TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
 SCOPED: Table = ScopedQuota.__table__  # type: ignore[attr-defined]
 DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
+HOST_FIT: Table = HostFit.__table__  # type: ignore[attr-defined]
 
-PAGE = 16
+PAGE = 16  # GPUs per single-GPU candidate page
+HOST_PAGE = 8  # hosts per whole-host candidate page (each with all its GPUs in the pool)
 
 
 class ClaimConflict(Exception):
@@ -203,13 +205,22 @@ def _order_key(order: CandidateOrder) -> Callable[[CandidateRow], tuple[int, ...
     return lambda r: (r.free_units, r.id)
 
 
-def _host_order(order: CandidateOrder, free: Any) -> list[Any]:
-    """`_order` for whole hosts, by the free units of their matching GPUs (`free`)."""
+def _host_order(order: CandidateOrder, free: Any, host_id: Any) -> list[Any]:
+    """`_order` for whole hosts, by the free units of their matching GPUs (`free`), then their id."""
     if order is CandidateOrder.EMPTIEST_FIRST:
-        return [free.desc(), GPU.c.host_id]
+        return [free.desc(), host_id]
     if order is CandidateOrder.HOST_ORDER:
-        return [GPU.c.host_id]
-    return [free, GPU.c.host_id]
+        return [host_id]
+    return [free, host_id]
+
+
+def _host_key(order: CandidateOrder) -> Callable[[int, int], tuple[int, ...]]:
+    """`_host_order` in Python, on (free units, host id)."""
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return lambda free, hid: (-free, hid)
+    if order is CandidateOrder.HOST_ORDER:
+        return lambda free, hid: (hid,)
+    return lambda free, hid: (free, hid)
 
 
 @dataclass
@@ -229,8 +240,9 @@ def _labels(raw: Any) -> dict[str, str]:
 
 
 def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
-           pool_names: Mapping[int, str]) -> Candidates:
-    """Candidate views of the GPU rows' hosts, in host order."""
+           pool_names: Mapping[int, str], whole: bool = False) -> Candidates:
+    """Candidate views of the GPU rows' hosts, in host order (`whole`: the rows are all of each host's GPUs in
+    the pool, which the views then say, for policies that score whole hosts)."""
     by_host: dict[int, list[CandidateRow]] = {}
     for r in rows:
         by_host.setdefault(r.host_id, []).append(r)
@@ -256,7 +268,7 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
             hid, h.host_name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
             h.memory_mib * h.memory_overcommit - h.used_memory_mib, tuple(gpus), h.state,
             _labels(h.labels), frozenset({anti_affinity}) if hid in grouped and anti_affinity else frozenset(),
-            order=hid))
+            order=hid, gpu_count=len(gpus) if whole else None))
     return out
 
 
@@ -275,30 +287,102 @@ def _page_query(order: CandidateOrder, labels: bool) -> Prepared:
 
 @lru_cache(maxsize=1024)
 def _hosts_query(catalog: Catalog, profiles: frozenset[str], order: CandidateOrder, labels: bool) -> Prepared:
-    """Multi-GPU: the GPUs of a page of hosts with enough GPUs that can take a profile, the hosts in the
-    policy's candidate order of their free units (host order for HOST_ORDER). Bound at execution: pool_id,
-    req_vcpus, req_memory_mib, page_limit, page_offset, ndev."""
+    """Multi-GPU, several profiles: the GPUs of a page of hosts with enough GPUs that can take one of them,
+    the hosts in the policy's candidate order of their free units (host order for HOST_ORDER); it groups every
+    matching GPU of the pool. Bound at execution: pool_id, req_vcpus, req_memory_mib, page_limit, page_offset,
+    ndev."""
     cols = _CANDIDATE_COLS if labels else _NO_LABELS
     limit = bindparam("page_limit", type_=Integer)
     where = and_(_IN_POOL, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
     free = func.sum(GPU.c.free_units)
     hosts_page = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
                   .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
-                  .order_by(*_host_order(order, free))
+                  .order_by(*_host_order(order, free, GPU.c.host_id))
                   .limit(limit).offset(bindparam("page_offset", type_=Integer)))
     return Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
                     .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery())))
 
 
-def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
-                    order: CandidateOrder, pool_names: Mapping[int, str]) -> Iterable[Candidates]:
-    """Pages of candidate hosts in a pool, best first by the policy's candidate order; each page is a few
-    GPUs or hosts."""
-    ndev = len(req.profiles)
+@lru_cache(maxsize=16)
+def _summary_query(order: CandidateOrder, labels: bool) -> Prepared:
+    """Whole hosts by their summaries: every GPU of the pool on the first page_limit hosts (from page_offset)
+    that have at least `ndev` GPUs of one placeable that can take its profile now, in the policy's candidate
+    order of those GPUs' free units, with that order's key (`host_key`). It reads one `host_fit` row per
+    candidate host (a range of a partial index) and the page's GPUs, never the rest of the pool. Bound at
+    execution: pool_id, the placeable, ndev, req_vcpus, req_memory_mib, page_limit, page_offset."""
+    hf = HOST_FIT
+    page = (select(hf.c.host_id, hf.c.free_units).join(HOST, HOST.c.id == hf.c.host_id)
+            .where(hf.c.pool_id == bindparam("pool_id", type_=Integer), hf.c.model == bindparam("c_model"),
+                   hf.c.mode == bindparam("c_mode"), hf.c.bitval == bindparam("c_bit", type_=BigInteger),
+                   hf.c.n_fit > 0, hf.c.n_fit >= bindparam("ndev", type_=Integer), _HOST_FILTER)
+            .order_by(*_host_order(order, hf.c.free_units, hf.c.host_id))
+            .limit(bindparam("page_limit", type_=Integer)).offset(bindparam("page_offset", type_=Integer))
+            .subquery("page"))
+    cols = _CANDIDATE_COLS if labels else _NO_LABELS
+    return Prepared(select(*cols, page.c.free_units.label("host_key"))
+                    .select_from(page.join(GPU, and_(GPU.c.host_id == page.c.host_id, _IN_POOL))
+                                 .join(HOST, HOST.c.id == GPU.c.host_id)))
+
+
+def _host_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
+                pool_names: Mapping[int, str], targets: Sequence[Placeable]) -> Iterator[Candidates]:
+    """Pages of whole candidate hosts for a request whose vGPUs all have one profile, from the hosts'
+    summaries: hosts with as many GPUs of one placeable as the request has vGPUs, best first by the policy's
+    order (merged over the placeables as the single-GPU pages are)."""
     labels = bool(req.labels)
+    params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib,
+                              "ndev": len(req.profiles)}
+    key = _host_key(order)
+    offset = 0
+    while True:
+        by_host: dict[int, list[CandidateRow]] = {}
+        keys: dict[int, tuple[int, ...]] = {}
+        limits = {"page_limit": HOST_PAGE, "page_offset": offset} if len(targets) == 1 else \
+            {"page_limit": offset + HOST_PAGE, "page_offset": 0}
+        for c in targets:  # a host found through two placeables comes with the same GPUs twice: kept once
+            found: dict[int, list[CandidateRow]] = {}
+            for t in _summary_query(order, labels).run(conn, {**params, **limits, **_match_params(c)}).fetchall():
+                row = CandidateRow._make(t[:-1])
+                found.setdefault(row.host_id, []).append(row)
+                k = key(t[-1], row.host_id)
+                keys[row.host_id] = min(keys.get(row.host_id, k), k)
+            for hid, rows in found.items():
+                by_host.setdefault(hid, rows)
+        chosen = sorted(keys, key=keys.__getitem__)
+        if len(targets) > 1:
+            chosen = chosen[offset:offset + HOST_PAGE]
+        if not chosen:
+            return
+        yield _views(conn, catalog, [r for h in chosen for r in by_host[h]], req.anti_affinity, pool_names,
+                     whole=True)
+        offset += HOST_PAGE
+
+
+def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
+                    order: CandidateOrder, pool_names: Mapping[int, str],
+                    whole_hosts: bool = False) -> Iterable[Candidates]:
+    """Pages of candidate hosts in a pool, best first by the policy's candidate order; each page is a few
+    GPUs or hosts. A request for several vGPUs of one profile, or any request with `whole_hosts` (a policy
+    that scores whole hosts), gets whole hosts from their summaries (`host_fit`)."""
+    ndev = len(req.profiles)
     targets = placeables(catalog, frozenset(req.profiles))
     if not targets:
         return
+    if len(set(req.profiles)) == 1 and (ndev > 1 or whole_hosts):
+        yield from _host_pages(conn, catalog, req, pool_id, order, pool_names, targets)
+        if ndev == 1 or len(targets) == 1:
+            return
+        # A host may hold the request only across placeables (some GPUs of the model in each of two modes),
+        # which no single summary row shows: the grouping query below still finds it.
+    yield from _gpu_pages(conn, catalog, req, pool_id, order, pool_names, targets)
+
+
+def _gpu_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
+               pool_names: Mapping[int, str], targets: Sequence[Placeable]) -> Iterator[Candidates]:
+    """Pages read from the GPU rows: the first GPUs of each placeable for one vGPU, the grouped hosts for
+    several."""
+    ndev = len(req.profiles)
+    labels = bool(req.labels)
     params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib}
     order_key = _order_key(order)
     offset = 0
@@ -317,9 +401,9 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
             step = PAGE
         else:
             q = _hosts_query(catalog, frozenset(req.profiles), order, labels)
-            rows = [CandidateRow._make(t) for t in q.run(conn, {**params, "page_limit": PAGE // 2,
+            rows = [CandidateRow._make(t) for t in q.run(conn, {**params, "page_limit": HOST_PAGE,
                                                                   "page_offset": offset, "ndev": ndev})]
-            step = PAGE // 2
+            step = HOST_PAGE
         if not rows:
             return
         yield _views(conn, catalog, rows, req.anti_affinity, pool_names)

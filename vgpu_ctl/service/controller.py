@@ -798,7 +798,8 @@ class Controller:
                 policy = make_with_load(gpu_loads.recent(side, pool.id))
         else:
             policy = pool_policy(pool.policy, pool.demand)
-        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names):
+        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names,
+                                          whole_hosts=policy.host_cost is not None):
             chosen = plan(preq, page.hosts, policy)
             if chosen is not None:
                 return chosen, page

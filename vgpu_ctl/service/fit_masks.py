@@ -3,20 +3,24 @@
 A fit mask (`core.geometry.fit_mask`) depends on the catalog's geometry: a new profile, or a changed one,
 changes which GPUs could take it. The store records the fingerprint of the catalog the masks were computed
 with; a controller opening the store with another catalog recomputes them first.
+
+The host summaries (`host_fit`, migration 0009) add up the masks per host, pool, model, mode and bit. Triggers
+on `gpu` keep them in each write's transaction; `vgpuctl init` recomputes them with the masks
+(`rebuild_summaries`) and doctor compares them with the GPU rows (`summary_drift`).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import FIT_BITS, fit_mask
 from vgpu_ctl.errors import InvalidInput
-from vgpu_ctl.service.allocation import GPU, occupancy_of
-from vgpu_ctl.store.models import Meta
+from vgpu_ctl.service.allocation import GPU, HOST_FIT, occupancy_of
+from vgpu_ctl.store.models import FitBit, Meta
 
 META: Table = Meta.__table__  # type: ignore[attr-defined]
 CATALOG_KEY = "fit_masks_catalog"
@@ -30,8 +34,8 @@ def masks_key(catalog: Catalog) -> str:
 
 
 def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> int:
-    """Recompute every GPU's fit mask if they were computed with another catalog (or `force`); how many
-    masks changed."""
+    """Recompute every GPU's fit mask if they were computed with another catalog (or `force`, which also
+    recomputes the host summaries); how many masks changed."""
     if not force:
         with engine.connect() as conn:
             seen = conn.execute(select(META.c.value).where(META.c.key == CATALOG_KEY)).scalar()
@@ -51,8 +55,45 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
         if changes:  # one batch: a catalog change on a large fleet touches many GPUs
             conn.execute(update(GPU).where(GPU.c.id == bindparam("g_id")).values(fits=bindparam("g_fits")),
                          changes)
+        if force:
+            rebuild_summaries(conn)
         upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(META)
         # An upsert: another controller opening the store at the same moment may write the row too.
         conn.execute(upsert.values(key=CATALOG_KEY, value=masks_key(catalog))
                      .on_conflict_do_update(index_elements=[META.c.key], set_={"value": masks_key(catalog)}))
     return len(changes)
+
+
+FIT_BIT: Table = FitBit.__table__  # type: ignore[attr-defined]
+SummaryKey = tuple[int, int, str, str, int]  # host_id, pool_id, model, mode, bitval
+
+
+def _summaries_from_gpus(conn: Connection) -> dict[SummaryKey, tuple[int, int]]:
+    """The host summaries (n_fit, free_units) that the GPU rows give now, by key; rows with n_fit 0 left out."""
+    n_fit = func.count().label("n_fit")
+    free = func.sum(GPU.c.free_units).label("free_units")
+    q = (select(GPU.c.host_id, GPU.c.pool_id, GPU.c.model, GPU.c.mode, FIT_BIT.c.bitval, n_fit, free)
+         .join(FIT_BIT, GPU.c.fits.op("&")(FIT_BIT.c.bitval) != 0).where(GPU.c.pool_id.is_not(None))
+         .group_by(GPU.c.host_id, GPU.c.pool_id, GPU.c.model, GPU.c.mode, FIT_BIT.c.bitval))
+    return {(r.host_id, r.pool_id, r.model, r.mode, r.bitval): (r.n_fit, int(r.free_units)) for r in conn.execute(q)}
+
+
+def summary_drift(conn: Connection) -> list[tuple[SummaryKey, tuple[int, int] | None, tuple[int, int] | None]]:
+    """Where `host_fit` differs from what the GPU rows give: (key, stored, expected) per differing row, None
+    for a row missing on that side (stored rows with n_fit and free units 0 count as missing)."""
+    want = _summaries_from_gpus(conn)
+    have = {(r.host_id, r.pool_id, r.model, r.mode, r.bitval): (r.n_fit, int(r.free_units))
+            for r in conn.execute(select(HOST_FIT)) if r.n_fit or r.free_units}
+    return [(k, have.get(k), want.get(k)) for k in sorted(have.keys() | want.keys()) if have.get(k) != want.get(k)]
+
+
+def rebuild_summaries(conn: Connection) -> int:
+    """Recompute every host summary from the GPU rows (in the caller's transaction); how many rows differed."""
+    drift = summary_drift(conn)
+    if drift:
+        conn.execute(HOST_FIT.delete())
+        rows = [{"host_id": k[0], "pool_id": k[1], "model": k[2], "mode": k[3], "bitval": k[4], "n_fit": n,
+                 "free_units": free} for k, (n, free) in _summaries_from_gpus(conn).items()]
+        if rows:
+            conn.execute(insert(HOST_FIT), rows)
+    return len(drift)

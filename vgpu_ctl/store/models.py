@@ -453,3 +453,37 @@ class GpuLoad(SQLModel, table=True):
     busy: float
     sampled_at: datetime = Field(default_factory=utcnow)
 
+
+
+class FitBit(SQLModel, table=True):
+    """The bits of a fit mask (core.geometry.FIT_BITS rows, written by migration 0009): what lets SQL split a mask."""
+
+    __tablename__ = "fit_bit"
+    __table_args__ = (UniqueConstraint("bitval", name="fit_bit_value_unique"),)
+
+    bit: int = Field(primary_key=True)
+    bitval: int = Field(sa_type=BigInteger)
+
+
+class HostFit(SQLModel, table=True):
+    """A host's summary per pool, GPU model, mode and fit-mask bit (a profile of that geometry): how many of its
+    GPUs can take the profile now and their free units together. Kept by triggers on `gpu` in the transaction of
+    every write of a GPU's state (migration 0009), so a request for k GPUs or a whole-host score reads one row per
+    candidate host (partial indexes on `n_fit > 0`, in the candidate orders)."""
+
+    __tablename__ = "host_fit"
+    __table_args__ = (
+        CheckConstraint("n_fit >= 0 AND free_units >= 0", name="host_fit_nonneg"),
+        Index("host_fit_by_free", "pool_id", "model", "mode", "bitval", "free_units", "host_id",
+              sqlite_where=text("n_fit > 0"), postgresql_where=text("n_fit > 0")),
+        Index("host_fit_by_host", "pool_id", "model", "mode", "bitval", "host_id",
+              sqlite_where=text("n_fit > 0"), postgresql_where=text("n_fit > 0")),
+    )
+
+    host_id: int = Field(primary_key=True)
+    pool_id: int = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    mode: str = Field(primary_key=True)
+    bitval: int = Field(primary_key=True, sa_type=BigInteger)
+    n_fit: int
+    free_units: int = Field(sa_type=BigInteger)
