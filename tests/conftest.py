@@ -108,8 +108,8 @@ def store_snapshot(c: Any) -> dict[str, Any]:
     from sqlalchemy import select
 
     from vgpu_ctl.service import allocation as alloc
-    from vgpu_ctl.service.audit import EVENT
     from vgpu_ctl.service.quotas import VM
+    from vgpu_ctl.store.tables import EVENT
 
     def rows(table: Any, order: Any) -> list[dict[str, Any]]:
         with c.engine.connect() as conn:

@@ -15,10 +15,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from vgpu_ctl.service.allocation import HOST, TENANT
-from vgpu_ctl.service.audit import EVENT
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
 from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
+from vgpu_ctl.store.tables import EVENT
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from vgpu_ctl.inventory import check_int
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.ops.status import pool_fits
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
-from vgpu_ctl.service.audit import EVENT
 from vgpu_ctl.service.inventory_apply import POOL, VM
 from vgpu_ctl.service.quotas import usage_report
+from vgpu_ctl.store.tables import EVENT
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -151,7 +151,7 @@ class StoreCollector:
 
 
 def registry_for(ctl: Controller) -> CollectorRegistry:
-    """A registry holding the store collector and the utilization one (NVML on the GPU hosts)."""
+    """A registry holding the store collector and the utilization one (the NVML samples the store keeps)."""
     from vgpu_ctl.ops.utilization import UtilizationCollector
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(ctl))

@@ -1129,7 +1129,7 @@ class Controller:
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""
         check_int("limit", limit, 1, MAX_EVENTS)
-        from vgpu_ctl.service.audit import EVENT
+        from vgpu_ctl.store.tables import EVENT
         q = select(EVENT).order_by(EVENT.c.id)
         if self.principal.tenant is not None:
             tenant = self.principal.tenant

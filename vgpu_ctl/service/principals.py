@@ -6,21 +6,15 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from sqlalchemy import select
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from typing import Any, Literal, cast
 
 from vgpu_ctl.errors import Conflict, InvalidInput, NotFound, PermissionDenied
 from vgpu_ctl.inventory import check_name
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.store.models import ApiToken, utcnow
+from vgpu_ctl.service.ports import STORE, Tx
 
 Role = Literal["admin", "reader", "tenant"]
 ROLES: tuple[str, ...] = ("admin", "reader")  # the roles an API token can carry
-API_TOKEN = ApiToken.__table__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -66,7 +60,7 @@ def new_token(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(32)}"
 
 
-def authenticate(conn: Connection, token: str | None, actor: str | None = None) -> Principal:
+def authenticate(conn: Tx, token: str | None, actor: str | None = None) -> Principal:
     """The principal of a token: none is the admin (who has the store); else a tenant's token or an API token.
     PermissionDenied for an empty, wrong or revoked one."""
     if token is None:
@@ -75,44 +69,39 @@ def authenticate(conn: Connection, token: str | None, actor: str | None = None) 
         raise PermissionDenied("the token is empty; give a tenant's or an API token, or none to act as the admin "
                                "with the store", reasons=[{"field": "token", "value": token}])
     digest = hash_token(token)
-    row = conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)
-                       .where(alloc.TENANT.c.token_hash == digest)).first()
-    if row is not None:
-        return Principal(actor or f"tenant:{row.name}", row.id, row.name, "tenant")
-    api = conn.execute(select(API_TOKEN.c.name, API_TOKEN.c.role).where(API_TOKEN.c.token_hash == digest)).first()
+    tenant = STORE.tokens.tenant_by_token_hash(conn, digest)
+    if tenant is not None:
+        return Principal(actor or f"tenant:{tenant.name}", tenant.id, tenant.name, "tenant")
+    api = STORE.tokens.api_token_by_hash(conn, digest)
     if api is not None:
-        return Principal(actor or f"token:{api.name}", role=api.role)
+        return Principal(actor or f"token:{api.name}", role=cast(Role, api.role))
     raise PermissionDenied("the token is not valid (wrong or revoked); ask the admin for a new one "
                            "(vgpuctl tenant token TENANT, or vgpuctl token create NAME)")
 
 
-def create_api_token(conn: Connection, actor: str, name: str, role: str) -> str:
+def create_api_token(conn: Tx, actor: str, name: str, role: str) -> str:
     """Issue an API token named `name` with `role` (admin or reader); the token (only its hash is kept)."""
     check_name("name", name)
     if role not in ROLES:
         raise InvalidInput(f"role {role!r} is not one of {', '.join(ROLES)}",
                            reasons=[{"field": "role", "value": role}])
     token = new_token("vga")
-    try:
-        with conn.begin_nested():
-            conn.execute(API_TOKEN.insert().values(name=name, role=role, token_hash=hash_token(token),
-                                                   created_at=utcnow()))
-    except IntegrityError:
+    if not STORE.tokens.add_api_token(conn, name, role, hash_token(token)):
         raise Conflict(f"API token {name!r} already exists; revoke it first",
-                       reasons=[{"field": "name", "value": name}]) from None
+                       reasons=[{"field": "name", "value": name}])
     record(conn, actor, "token.create", name, params={"role": role})
     return token
 
 
-def list_api_tokens(conn: Connection) -> list[dict[str, Any]]:
+def list_api_tokens(conn: Tx) -> list[dict[str, Any]]:
     """The API tokens: name, role, when created (never the token)."""
     return [{"name": r.name, "role": r.role, "created_at": r.created_at.isoformat()}
-            for r in conn.execute(select(API_TOKEN).order_by(API_TOKEN.c.name))]
+            for r in STORE.tokens.api_tokens(conn)]
 
 
-def revoke_api_token(conn: Connection, actor: str, name: str) -> None:
+def revoke_api_token(conn: Tx, actor: str, name: str) -> None:
     """Revoke the API token `name`; NotFound if there is none."""
-    if conn.execute(API_TOKEN.delete().where(API_TOKEN.c.name == name)).rowcount == 0:
+    if not STORE.tokens.remove_api_token(conn, name):
         raise NotFound(f"API token {name!r} not found", reasons=[{"field": "name", "value": name}])
     record(conn, actor, "token.revoke", name)
 

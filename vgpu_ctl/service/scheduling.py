@@ -980,7 +980,7 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
 
 def preemption_counts(conn: Connection) -> dict[tuple[str, str], int]:
     """Preemptions done so far by (reason, mode), counted from the audit trail (every replica's)."""
-    from vgpu_ctl.service.audit import EVENT
+    from vgpu_ctl.store.tables import EVENT
     out: dict[tuple[str, str], int] = {}
     for params, in conn.execute(select(EVENT.c.params).where(EVENT.c.action == "vm.preempted",
                                                              EVENT.c.result == "ok")):

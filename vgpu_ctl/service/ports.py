@@ -1,0 +1,159 @@
+"""What the service needs of the store, as protocols: one per aggregate, each function taking the unit of
+work (`Tx`) it runs in and returning typed rows. The service reaches the store only through `STORE`; the
+store's modules (vgpu_ctl/store/*) satisfy these protocols, which mypy checks at the binding below, and they
+keep the SQL and its speed machinery (prepared statements, fit masks, writer queue, checkpointer) private."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import datetime
+from typing import Any, Protocol
+
+from vgpu_ctl.store.idempotency import KeyRow
+from vgpu_ctl.store.leader_lease import LeaderLease
+from vgpu_ctl.store.operations import OperationLease, OperationRow
+from vgpu_ctl.store.sql import SqlStore
+from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
+from vgpu_ctl.store.unit import Tx, utcnow
+
+
+class TokenStore(Protocol):
+    """Tenants' token hashes and API tokens."""
+
+    def tenant_by_token_hash(self, tx: Tx, digest: str) -> TenantRef | None:
+        """The tenant whose token hashes to `digest`."""
+
+    def api_token_by_hash(self, tx: Tx, digest: str) -> ApiTokenRow | None:
+        """The API token that hashes to `digest`."""
+
+    def add_api_token(self, tx: Tx, name: str, role: str, digest: str) -> bool:
+        """Store an API token; False when the name is taken."""
+
+    def api_tokens(self, tx: Tx) -> list[ApiTokenRow]:
+        """Every API token, by name."""
+
+    def remove_api_token(self, tx: Tx, name: str) -> bool:
+        """Delete an API token; whether there was one."""
+
+
+class EventStore(Protocol):
+    """The audit trail."""
+
+    def add_event(self, tx: Tx, actor: str, action: str, target: str, tenant: str | None,
+                  params: dict[str, Any], result: str, error: str | None) -> None:
+        """Write one audit event."""
+
+
+class IdempotencyStore(Protocol):
+    """Idempotency keys: per caller scope and key, the request's fingerprint and its response."""
+
+    def drop_expired_key(self, tx: Tx, scope: str, key: str, now: datetime) -> None:
+        """Delete the key if it expired by `now`."""
+
+    def add_key(self, tx: Tx, scope: str, key: str, fingerprint: str, now: datetime, expires: datetime) -> bool:
+        """Record the key in flight; False when the scope holds it already."""
+
+    def key_row(self, tx: Tx, scope: str, key: str) -> KeyRow | None:
+        """The key as stored."""
+
+    def restart_key(self, tx: Tx, row: KeyRow, now: datetime, expires: datetime) -> bool:
+        """Claim an in-flight key again if unchanged since `row`; whether this call did."""
+
+    def complete_key(self, tx: Tx, scope: str, key: str, status_code: int, response: Any,
+                     headers: dict[str, str]) -> None:
+        """Mark the key done with its response."""
+
+    def drop_in_flight_key(self, tx: Tx, scope: str, key: str) -> None:
+        """Delete the key if still in flight."""
+
+    def purge_keys(self, tx: Tx, now: datetime) -> int:
+        """Delete expired keys; how many."""
+
+
+class LeaderLeaseStore(Protocol):
+    """The leader's lease."""
+
+    def write_leader(self, tx: Tx, holder: str, address: str, until: datetime) -> None:
+        """Record the leader until `until`."""
+
+    def clear_leader(self, tx: Tx, holder: str) -> None:
+        """Delete the leader's lease if `holder` has it."""
+
+    def leader(self, tx: Tx) -> LeaderLease | None:
+        """The leader's lease, run out or not."""
+
+
+class OperationStore(Protocol):
+    """Operations and their leases."""
+
+    def add_operation(self, tx: Tx, row: OperationRow) -> None:
+        """Insert a new operation."""
+
+    def operation(self, tx: Tx, op_id: str) -> OperationRow | None:
+        """One operation."""
+
+    def operations(self, tx: Tx, tenant_id: int | None, states: Collection[str] | None,
+                   limit: int) -> list[OperationRow]:
+        """Operations, newest first, of a tenant and in states when given."""
+
+    def creates_since(self, tx: Tx, tenant_id: int | None, since: datetime, other_than: str) -> list[OperationRow]:
+        """A tenant's vm.create operations since a time, oldest first."""
+
+    def retake_operation(self, tx: Tx, row: OperationRow, holder: str, expires: datetime, now: datetime) -> bool:
+        """Give the operation to `holder` if unchanged since `row`; whether this call did."""
+
+    def renew_operations(self, tx: Tx, holder: str, op_ids: Collection[str], expires: datetime) -> None:
+        """Extend `holder`'s leases."""
+
+    def end_operation(self, tx: Tx, op_id: str, holder: str, state: str, *, vm_id: str | None,
+                      result: dict[str, Any] | None, error: dict[str, Any] | None, now: datetime) -> bool:
+        """End a running operation `holder` holds; whether it still held it."""
+
+    def unfinished_leases(self, tx: Tx, limit: int) -> list[OperationLease]:
+        """Unfinished operations that may be free to take, oldest first."""
+
+    def operation_counts(self, tx: Tx) -> dict[str, int]:
+        """Operations per state."""
+
+
+class TenantStore(Protocol):
+    """Tenants."""
+
+    def tenant_name(self, tx: Tx, tenant_id: int) -> str | None:
+        """A tenant's name by id."""
+
+
+class Store(Protocol):
+    """The store as the service uses it: one attribute per aggregate."""
+
+    @property
+    def tokens(self) -> TokenStore:
+        """Credentials."""
+
+    @property
+    def events(self) -> EventStore:
+        """The audit trail."""
+
+    @property
+    def idempotency(self) -> IdempotencyStore:
+        """Idempotency keys."""
+
+    @property
+    def leader_lease(self) -> LeaderLeaseStore:
+        """The leader's lease."""
+
+    @property
+    def operations(self) -> OperationStore:
+        """Operations."""
+
+    @property
+    def tenants(self) -> TenantStore:
+        """Tenants."""
+
+
+STORE: Store = SqlStore()
+
+__all__ = [
+    "STORE", "EventStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store", "TenantStore",
+    "TokenStore", "Tx", "utcnow",
+]

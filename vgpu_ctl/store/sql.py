@@ -1,0 +1,24 @@
+"""The SQL store: the store modules of this package, one per aggregate, gathered as the one object the
+service's `Store` protocol (service/ports.py) describes. mypy checks each module against its protocol where
+the service binds this object."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from vgpu_ctl.store import events, idempotency, leader_lease, operations, tenants, tokens
+
+
+class SqlStore:
+    """The store on SQLite or PostgreSQL: each attribute one aggregate's functions, each taking the unit of
+    work (`vgpu_ctl.store.unit.Tx`) it runs in."""
+
+    tokens: Final = tokens
+    events: Final = events
+    idempotency: Final = idempotency
+    leader_lease: Final = leader_lease
+    operations: Final = operations
+    tenants: Final = tenants
+
+
+__all__ = ["SqlStore"]

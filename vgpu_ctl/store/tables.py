@@ -1,0 +1,26 @@
+"""The table handles of the store's models, for the statements of this package (and, until they move here,
+the service modules that still build their own)."""
+
+from __future__ import annotations
+
+from sqlalchemy import Table
+
+from vgpu_ctl.store.models import (
+    ApiToken,
+    Event,
+    IdempotentRequest,
+    Operation,
+    Pool,
+    ServerLease,
+    Tenant,
+    Vm,
+)
+
+API_TOKEN: Table = ApiToken.__table__  # type: ignore[attr-defined]
+EVENT: Table = Event.__table__  # type: ignore[attr-defined]
+IDEMPOTENT: Table = IdempotentRequest.__table__  # type: ignore[attr-defined]
+OPERATION: Table = Operation.__table__  # type: ignore[attr-defined]
+POOL: Table = Pool.__table__  # type: ignore[attr-defined]
+SERVER_LEASE: Table = ServerLease.__table__  # type: ignore[attr-defined]
+TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
+VM: Table = Vm.__table__  # type: ignore[attr-defined]
