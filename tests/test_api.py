@@ -590,16 +590,17 @@ def test_idempotency_key_left_in_flight_by_a_dead_server_is_taken_again(srv: Api
     from vgpu_ctl.server.idempotent import IN_FLIGHT_STALE
     from vgpu_ctl.service import idempotency as idem
     from vgpu_ctl.store.models import utcnow
+    from vgpu_ctl.store.tables import IDEMPOTENT
     name, client = new_tenant(srv, http)
     raw = json.dumps(VM_BODY).encode()
     with srv.ctl() as c, c.tx() as conn:  # a request a server began answering, then died
         assert idem.begin(conn, f"tenant:{name}", "k-dead", idem.fingerprint("POST", "/v1/vms", raw)).state == "new"
-        conn.execute(update(idem.IDEMPOTENT).where(idem.IDEMPOTENT.c.key == "k-dead")
+        conn.execute(update(IDEMPOTENT).where(IDEMPOTENT.c.key == "k-dead")
                      .values(created_at=utcnow() - IN_FLIGHT_STALE + timedelta(seconds=30)))
     headers = {"Idempotency-Key": "k-dead", "Content-Type": "application/json"}
     problem_of(client.post("/v1/vms", content=raw, headers=headers), 409, "idempotency_key_in_flight")
     with srv.ctl() as c, c.tx() as conn:
-        conn.execute(update(idem.IDEMPOTENT).where(idem.IDEMPOTENT.c.key == "k-dead")
+        conn.execute(update(IDEMPOTENT).where(IDEMPOTENT.c.key == "k-dead")
                      .values(created_at=utcnow() - IN_FLIGHT_STALE - timedelta(seconds=1)))
     r = client.post("/v1/vms", content=raw, headers=headers)
     assert r.status_code == 202 and "idempotent-replayed" not in r.headers, r.text
@@ -641,7 +642,7 @@ def test_idempotency_keys_expire_after_the_ttl(tmp_path: Path) -> None:
         wait_operation(client, first.headers["location"])
         from sqlalchemy import select
 
-        from vgpu_ctl.service.idempotency import IDEMPOTENT
+        from vgpu_ctl.store.tables import IDEMPOTENT
         with server.ctl() as c, c.engine.connect() as conn:
             row = conn.execute(select(IDEMPOTENT).where(IDEMPOTENT.c.key == "k-ttl")).one()
         assert (row.expires_at - row.created_at).total_seconds() == pytest.approx(ttl, abs=0.01)

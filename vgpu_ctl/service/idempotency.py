@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from vgpu_ctl.service.ports import STORE, Tx, utcnow
 
-from vgpu_ctl.store.models import IdempotentRequest, utcnow
-
-IDEMPOTENT = IdempotentRequest.__table__  # type: ignore[attr-defined]
 DEFAULT_TTL = timedelta(hours=24)
 
 
@@ -41,29 +36,23 @@ def fingerprint(method: str, path: str, body: bytes) -> str:
     return hashlib.sha256(method.encode() + b" " + path.encode() + b"\n" + canon).hexdigest()
 
 
-def begin(conn: Connection, scope: str, key: str, print_: str, ttl: timedelta = DEFAULT_TTL,
+def begin(conn: Tx, scope: str, key: str, print_: str, ttl: timedelta = DEFAULT_TTL,
           stale_after: timedelta | None = None) -> Stored:
     """Claim `key` for this request (in its own transaction on `conn`) or say what holds it. A request still
     in flight after `stale_after` is taken as abandoned (its server died before answering) and the key is
     claimed again, so that a retry is not refused until the key expires."""
     now = utcnow()
-    conn.execute(delete(IDEMPOTENT).where(IDEMPOTENT.c.scope == scope, IDEMPOTENT.c.key == key,
-                                          IDEMPOTENT.c.expires_at <= now))
-    try:
-        with conn.begin_nested():
-            conn.execute(IDEMPOTENT.insert().values(scope=scope, key=key, fingerprint=print_, state="in-flight",
-                                                    headers={}, created_at=now, expires_at=now + ttl))
+    keys = STORE.idempotency
+    keys.drop_expired_key(conn, scope, key, now)
+    if keys.add_key(conn, scope, key, print_, now, now + ttl):
         return Stored("new")
-    except IntegrityError:
-        pass
-    row = conn.execute(select(IDEMPOTENT).where(IDEMPOTENT.c.scope == scope, IDEMPOTENT.c.key == key)).one()
+    row = keys.key_row(conn, scope, key)
+    assert row is not None, "a key that could not be added is there"
     if row.fingerprint != print_:
         return Stored("mismatch")
     if row.state == "in-flight":
-        if stale_after is not None and _aware(row.created_at) <= now - stale_after and conn.execute(
-                update(IDEMPOTENT).where(IDEMPOTENT.c.id == row.id, IDEMPOTENT.c.state == "in-flight",
-                                         IDEMPOTENT.c.created_at == row.created_at)
-                .values(created_at=now, expires_at=now + ttl)).rowcount == 1:
+        if stale_after is not None and _aware(row.created_at) <= now - stale_after \
+                and keys.restart_key(conn, row, now, now + ttl):
             return Stored("new")
         return Stored("in-flight")
     return Stored("done", row.status_code, row.response, dict(row.headers))
@@ -73,22 +62,20 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-def complete(conn: Connection, scope: str, key: str, status_code: int, response: Any,
+def complete(conn: Tx, scope: str, key: str, status_code: int, response: Any,
              headers: dict[str, str]) -> None:
     """Store the response a retry with this key will get."""
-    conn.execute(update(IDEMPOTENT).where(IDEMPOTENT.c.scope == scope, IDEMPOTENT.c.key == key)
-                 .values(state="done", status_code=status_code, response=response, headers=headers))
+    STORE.idempotency.complete_key(conn, scope, key, status_code, response, headers)
 
 
-def abandon(conn: Connection, scope: str, key: str) -> None:
+def abandon(conn: Tx, scope: str, key: str) -> None:
     """Forget a key whose request ended without a response worth replaying (a server error): a retry runs."""
-    conn.execute(delete(IDEMPOTENT).where(IDEMPOTENT.c.scope == scope, IDEMPOTENT.c.key == key,
-                                          IDEMPOTENT.c.state == "in-flight"))
+    STORE.idempotency.drop_in_flight_key(conn, scope, key)
 
 
-def purge(conn: Connection) -> int:
+def purge(conn: Tx) -> int:
     """Delete expired keys; how many."""
-    return int(conn.execute(delete(IDEMPOTENT).where(IDEMPOTENT.c.expires_at <= utcnow())).rowcount)
+    return STORE.idempotency.purge_keys(conn, utcnow())
 
 
-__all__ = ["DEFAULT_TTL", "IDEMPOTENT", "Stored", "abandon", "begin", "complete", "fingerprint", "purge"]
+__all__ = ["DEFAULT_TTL", "Stored", "abandon", "begin", "complete", "fingerprint", "purge"]
