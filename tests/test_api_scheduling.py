@@ -246,6 +246,7 @@ def test_a_queued_create_run_again_after_a_crash_queues_once(ctl: Any) -> None:
     from sqlalchemy import select
 
     from vgpu_ctl.service import operations as ops
+    from vgpu_ctl.store.tables import OPERATION
     ctl.create_tenant("acme")
     ctl.request_vm("acme", "holds", WHOLE, vcpus=4, memory_mib=8192, pool="training")
     info = ctl.submit_vm_create("acme", "waits", [(WHOLE, 1)], vcpus=4, memory_mib=8192, pool="training",
@@ -255,7 +256,7 @@ def test_a_queued_create_run_again_after_a_crash_queues_once(ctl: Any) -> None:
     assert first.state == "succeeded" and first.result is not None
     queued_id = first.result["queued"]["id"]
     with ctl.engine.connect() as conn:
-        row = conn.execute(select(ops.OPERATION).where(ops.OPERATION.c.id == info.id)).one()
+        row = conn.execute(select(OPERATION).where(OPERATION.c.id == info.id)).one()
     again = SimpleNamespace(**{**row._mapping, "attempts": 2})
     vm_id, result, error = ops.execute(ctl, again)
     assert (vm_id, error) == (None, None) and result is not None and result["queued"]["id"] == queued_id

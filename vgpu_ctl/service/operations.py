@@ -10,24 +10,20 @@ import time
 import uuid
 from collections.abc import Collection, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import func, or_, select, update
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from vgpu_ctl.core.vm_state import PROVISIONING
 from vgpu_ctl.errors import NotFound, VgpuCtlError
 from vgpu_ctl.service.leases import expiry, is_held
-from vgpu_ctl.service.principals import Principal
+from vgpu_ctl.service.ports import STORE, Tx, utcnow
+from vgpu_ctl.service.principals import Principal, Role
 from vgpu_ctl.service.requests import OperationInfo as OperationInfo  # its home, re-exported
-from vgpu_ctl.store.models import Operation, utcnow
+from vgpu_ctl.store.operations import UNFINISHED, OperationRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-OPERATION = Operation.__table__  # type: ignore[attr-defined]
 KINDS = ("vm.create", "vm.delete")
-UNFINISHED = ("pending", "running")
 VM_WAIT_S = 600.0  # how long a create waits for a VM another process holds (its lease is 30 s, renewed as it works)
 VM_POLL_S = 0.5
 
@@ -36,126 +32,110 @@ def _iso(t: datetime | None) -> str | None:
     return t.isoformat() if t is not None else None
 
 
-def _info(conn: Connection, row: Any) -> OperationInfo:
-    from vgpu_ctl.service.allocation import TENANT
-    tenant = conn.execute(select(TENANT.c.name).where(TENANT.c.id == row.tenant_id)).scalar() \
-        if row.tenant_id is not None else None
+class Asker(Protocol):
+    """Who asked for an operation, as its row records it."""
+
+    @property
+    def actor(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def tenant_id(self) -> int | None: ...
+
+
+def _info(conn: Tx, row: OperationRow) -> OperationInfo:
+    tenant = STORE.tenants.tenant_name(conn, row.tenant_id) if row.tenant_id is not None else None
     return OperationInfo(row.id, row.kind, row.state, tenant, row.vm_id, dict(row.request), row.result, row.error,
                          row.created_at.isoformat(), row.updated_at.isoformat(), _iso(row.finished_at))
 
 
-def submit(conn: Connection, principal: Principal, kind: str, request: Mapping[str, Any], *,
+def submit(conn: Tx, principal: Principal, kind: str, request: Mapping[str, Any], *,
            tenant_id: int | None, vm_id: str | None, holder: str, lease_seconds: float) -> OperationInfo:
     """Record a new operation taken by `holder` (the worker pool that runs it next: running, first attempt)."""
     assert kind in KINDS
     now = utcnow()
     op_id = str(uuid.uuid4())
-    conn.execute(OPERATION.insert().values(
+    STORE.operations.add_operation(conn, OperationRow(
         id=op_id, kind=kind, state="running", actor=principal.actor, role=principal.role, tenant_id=tenant_id,
-        vm_id=vm_id, request=dict(request), lease_holder=holder, lease_expires=expiry(lease_seconds), attempts=1,
-        created_at=now, updated_at=now))
+        vm_id=vm_id, request=dict(request), result=None, error=None, lease_holder=holder,
+        lease_expires=expiry(lease_seconds), attempts=1, created_at=now, updated_at=now, finished_at=None))
     tenant = principal.tenant if principal.tenant_id == tenant_id else None
     if tenant is None and tenant_id is not None:
-        from vgpu_ctl.service.allocation import TENANT
-        tenant = conn.execute(select(TENANT.c.name).where(TENANT.c.id == tenant_id)).scalar()
+        tenant = STORE.tenants.tenant_name(conn, tenant_id)
     return OperationInfo(op_id, kind, "running", tenant, vm_id, dict(request), None, None, now.isoformat(),
                          now.isoformat(), None)
 
 
-def get(conn: Connection, principal: Principal, op_id: str) -> OperationInfo:
+def get(conn: Tx, principal: Principal, op_id: str) -> OperationInfo:
     """One operation (a tenant sees only its own; another's is NotFound)."""
-    row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+    row = STORE.operations.operation(conn, op_id)
     if row is None or (principal.tenant_id is not None and row.tenant_id != principal.tenant_id):
         raise NotFound(f"operation {op_id!r} not found", reasons=[{"field": "operation", "value": op_id}])
     return _info(conn, row)
 
 
-def list_operations(conn: Connection, principal: Principal, states: Collection[str] | None = None,
+def list_operations(conn: Tx, principal: Principal, states: Collection[str] | None = None,
                     limit: int = 100) -> list[OperationInfo]:
     """Operations, newest first (a tenant sees only its own), optionally only those in `states`."""
-    q = select(OPERATION).order_by(OPERATION.c.created_at.desc()).limit(limit)
-    if principal.tenant_id is not None:
-        q = q.where(OPERATION.c.tenant_id == principal.tenant_id)
-    if states:
-        q = q.where(OPERATION.c.state.in_(list(states)))
-    return [_info(conn, r) for r in conn.execute(q).all()]
+    return [_info(conn, r) for r in STORE.operations.operations(conn, principal.tenant_id, states, limit)]
 
 
-def own(conn: Connection, op_id: str, holder: str) -> Any | None:
+def own(conn: Tx, op_id: str, holder: str) -> OperationRow | None:
     """The operation's row if `holder` holds it and it is unfinished (submitted by it, not yet run)."""
-    row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+    row = STORE.operations.operation(conn, op_id)
     return row if row is not None and row.state in UNFINISHED and row.lease_holder == holder else None
 
 
-def take_over(conn: Connection, op_id: str, holder: str, lease_seconds: float) -> Any | None:
+def take_over(conn: Tx, op_id: str, holder: str, lease_seconds: float) -> OperationRow | None:
     """Take an unfinished operation nobody holds now for `holder` (a compare-and-set on the lease as read;
     one more attempt); its row, or None if it is finished or another live worker holds it."""
-    row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+    row = STORE.operations.operation(conn, op_id)
     if row is None or row.state not in UNFINISHED or is_held(row.lease_holder, row.lease_expires):
         return None
-    same = func.coalesce(OPERATION.c.lease_holder, "") == (row.lease_holder or "")
-    res = conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == row.state,
-                                               OPERATION.c.attempts == row.attempts, same)
-                       .values(state="running", lease_holder=holder, lease_expires=expiry(lease_seconds),
-                               attempts=row.attempts + 1, updated_at=utcnow()))
-    if res.rowcount != 1:
+    if not STORE.operations.retake_operation(conn, row, holder, expiry(lease_seconds), utcnow()):
         return None
-    return conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+    return STORE.operations.operation(conn, op_id)
 
 
-def renew(conn: Connection, holder: str, op_ids: Collection[str], lease_seconds: float) -> None:
+def renew(conn: Tx, holder: str, op_ids: Collection[str], lease_seconds: float) -> None:
     """Extend `holder`'s leases on these operations."""
     if op_ids:
-        conn.execute(update(OPERATION).where(OPERATION.c.id.in_(list(op_ids)), OPERATION.c.lease_holder == holder,
-                                             OPERATION.c.state.in_(UNFINISHED))
-                     .values(lease_expires=expiry(lease_seconds)))
+        STORE.operations.renew_operations(conn, holder, op_ids, expiry(lease_seconds))
 
 
-def finish(conn: Connection, op_id: str, holder: str, *, vm_id: str | None, result: dict[str, Any] | None,
+def finish(conn: Tx, op_id: str, holder: str, *, vm_id: str | None, result: dict[str, Any] | None,
            error: dict[str, Any] | None) -> bool:
     """Record the end of an operation `holder` runs: succeeded with `result`, or failed with `error`;
     whether it still held it."""
-    now = utcnow()
-    res = conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.lease_holder == holder,
-                                               OPERATION.c.state == "running")
-                       .values(state="failed" if error is not None else "succeeded", result=result, error=error,
-                               vm_id=vm_id, lease_holder=None, lease_expires=None, updated_at=now,
-                               finished_at=now))
-    return bool(res.rowcount == 1)
+    return STORE.operations.end_operation(conn, op_id, holder, "failed" if error is not None else "succeeded",
+                                          vm_id=vm_id, result=result, error=error, now=utcnow())
 
 
-def orphaned(conn: Connection, limit: int = 100) -> list[str]:
+def orphaned(conn: Tx, limit: int = 100) -> list[str]:
     """Unfinished operations nobody holds now (their holder died or let the lease run out), oldest first."""
-    rows = conn.execute(select(OPERATION.c.id, OPERATION.c.lease_holder, OPERATION.c.lease_expires)
-                        .where(OPERATION.c.state.in_(UNFINISHED),
-                               or_(OPERATION.c.lease_holder.is_(None), OPERATION.c.lease_expires.is_not(None)))
-                        .order_by(OPERATION.c.created_at).limit(limit * 4)).all()
+    rows = STORE.operations.unfinished_leases(conn, limit * 4)
     return [r.id for r in rows if not is_held(r.lease_holder, r.lease_expires)][:limit]
 
 
-def principal_of(conn: Connection, row: Any) -> Principal:
+def principal_of(conn: Tx, row: Asker) -> Principal:
     """The principal who asked for the operation, as it was when it asked."""
-    from vgpu_ctl.service.allocation import TENANT
     if row.tenant_id is not None and row.role == "tenant":
-        name = conn.execute(select(TENANT.c.name).where(TENANT.c.id == row.tenant_id)).scalar()
+        name = STORE.tenants.tenant_name(conn, row.tenant_id)
         return Principal(row.actor, row.tenant_id, name, "tenant")
-    return Principal(row.actor, role=row.role)
+    return Principal(row.actor, role=cast(Role, row.role))
 
 
-def _queued_before(ctl: Controller, row: Any, name: str) -> OperationInfo | None:
+def _queued_before(ctl: Controller, row: OperationRow, name: str) -> OperationInfo | None:
     """The queued request an earlier attempt of this create made, if any: a vm.create of the same tenant and
     VM name enqueued since this operation was submitted (a queued request's own request carries `deadline`)."""
     with ctl.engine.connect() as conn:
-        rows = conn.execute(select(OPERATION).where(
-            OPERATION.c.kind == "vm.create", OPERATION.c.tenant_id == row.tenant_id, OPERATION.c.id != row.id,
-            OPERATION.c.created_at >= row.created_at).order_by(OPERATION.c.created_at)).all()
-        for r in rows:
+        for r in STORE.operations.creates_since(conn, row.tenant_id, row.created_at, row.id):
             if r.request.get("name") == name and "deadline" in r.request:
                 return _info(conn, r)
     return None
 
 
-def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
+def execute(ctl: Controller, row: OperationRow) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
     """Do what the operation asks, as the principal who asked (`ctl` acts for it): (vm_id, result, error).
     A create is made idempotent by the operation's id, so running it again after a crash finishes the same VM
     instead of making another; while another process still holds that VM's lease (a dead server on another
@@ -191,5 +171,5 @@ def execute(ctl: Controller, row: Any) -> tuple[str | None, dict[str, Any] | Non
         return row.vm_id, None, exc.to_dict()
 
 
-__all__ = ["KINDS", "OPERATION", "OperationInfo", "execute", "finish", "get", "list_operations", "orphaned",
+__all__ = ["KINDS", "Asker", "OperationInfo", "execute", "finish", "get", "list_operations", "orphaned",
            "own", "principal_of", "renew", "submit", "take_over"]

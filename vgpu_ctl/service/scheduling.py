@@ -53,7 +53,6 @@ from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, Refuse
 from vgpu_ctl.inventory import check_int, check_name
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.operations import OPERATION
 from vgpu_ctl.service.principals import Principal
 from vgpu_ctl.service.quotas import POOL, VM
 from vgpu_ctl.service.scheduling_types import PreemptionPlan, Victim  # their home, re-exported
@@ -69,6 +68,7 @@ from vgpu_ctl.store.models import (
 )
 from vgpu_ctl.store.models import PriorityClass as PriorityClassRow
 from vgpu_ctl.store.prepared import Prepared
+from vgpu_ctl.store.tables import OPERATION
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
