@@ -13,13 +13,10 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.vm_state import check_move
 from vgpu_ctl.errors import Conflict, PreconditionFailed
-from vgpu_ctl.service.quotas import VM
-from vgpu_ctl.store.models import utcnow
+from vgpu_ctl.service.ports import STORE, Tx, utcnow
+from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -80,8 +77,8 @@ def is_held(holder: str | None, expires: datetime | None, now: datetime | None =
     return True
 
 
-def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_state: str | None = None,
-         what: str = "change", generation: int | None = None) -> Any | None:
+def take(conn: Tx, vm_id: str, holder: str, states: Collection[str], to_state: str | None = None,
+         what: str = "change", generation: int | None = None) -> VmRow | None:
     """Take the VM's lease for `holder` (inside the caller's transaction) if the VM is in one of `states` and
     no live process holds it, moving it to `to_state` if given; the VM row as it was, or None when the VM is
     gone or in another state. Conflict when another live process holds it; PreconditionFailed when
@@ -89,7 +86,7 @@ def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_
     never both take it."""
     if to_state is not None:
         check_move(states, to_state)
-    vm = conn.execute(select(VM).where(VM.c.id == vm_id)).first()
+    vm = STORE.vms.vm_row(conn, vm_id)
     check_generation(vm, generation, "VM", vm_id)
     if vm is None or vm.state not in states:
         return None
@@ -97,12 +94,10 @@ def take(conn: Connection, vm_id: str, holder: str, states: Collection[str], to_
         raise Conflict(f"VM {vm.name!r} is {vm.state}: another process ({vm.lease_holder}) is working on it "
                        f"until {vm.lease_expires:%Y-%m-%d %H:%M:%S}Z at the latest; try to {what} it later",
                        reasons=[{"vm": vm.name, "state": vm.state, "lease_holder": vm.lease_holder}])
-    same = func.coalesce(VM.c.lease_holder, "") == (vm.lease_holder or "")
     values: dict[str, Any] = {"lease_holder": holder, "lease_expires": expiry()}
     if to_state is not None:
         values.update(state=str(to_state), updated_at=utcnow())
-    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, same).values(**values))
-    if res.rowcount != 1:  # changed since read: someone else took it
+    if not STORE.vms.retake_vm(conn, vm, values):  # changed since read: someone else took it
         raise Conflict(f"VM {vm.name!r} changed while taking it to {what}; try again",
                        reasons=[{"vm": vm.name, "state": vm.state}])
     return vm
@@ -117,23 +112,20 @@ def check_generation(row: Any | None, generation: int | None, kind: str, ref: st
                                            "current": row.generation}])
 
 
-def advance(conn: Connection, vm_id: str, holder: str, from_states: Collection[str], to_state: str,
+def advance(conn: Tx, vm_id: str, holder: str, from_states: Collection[str], to_state: str,
             *, keep_lease: bool = True, **values: Any) -> bool:
     """Move the VM from one of `from_states` to `to_state` if `holder` still holds its lease (and, without
     `keep_lease`, end the lease); whether it did."""
     check_move(from_states, to_state)
     lease: dict[str, Any] = {"lease_expires": expiry()} if keep_lease else {"lease_holder": None,
                                                                              "lease_expires": None}
-    res = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state.in_([str(s) for s in from_states]),
-                                        VM.c.lease_holder == holder)
-                       .values(state=str(to_state), updated_at=utcnow(), **lease, **values))
-    return bool(res.rowcount == 1)
+    return STORE.vms.move_vm(conn, vm_id, holder, [str(s) for s in from_states],
+                             {"state": str(to_state), "updated_at": utcnow(), **lease, **values})
 
 
-def drop(conn: Connection, vm_id: str, holder: str) -> None:
+def drop(conn: Tx, vm_id: str, holder: str) -> None:
     """End `holder`'s lease on the VM, if it still has it."""
-    conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.lease_holder == holder)
-                 .values(lease_holder=None, lease_expires=None))
+    STORE.vms.set_vm_lease(conn, vm_id, holder, None, None)
 
 
 class Renewal:
@@ -151,9 +143,9 @@ class Renewal:
         while not self._stop.wait(self._every):
             try:
                 with self._ctl.tx() as conn:
-                    res = conn.execute(update(VM).where(VM.c.id == self._vm_id, VM.c.lease_holder == self._holder)
-                                       .values(lease_expires=expiry(self._seconds)))
-                if res.rowcount != 1:
+                    kept = STORE.vms.set_vm_lease(conn, self._vm_id, self._holder, self._holder,
+                                                  expiry(self._seconds))
+                if not kept:
                     return  # the lease ended (or the VM is gone): nothing more to renew
             except Exception:  # a busy store: try again at the next tick, while the lease still runs
                 continue

@@ -15,6 +15,7 @@ from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
+from vgpu_ctl.store.vms import VmRow
 
 
 class TokenStore(Protocol):
@@ -123,6 +124,24 @@ class TenantStore(Protocol):
         """A tenant's name by id."""
 
 
+class VmStore(Protocol):
+    """VMs: the row, and the compare-and-sets on state and lease."""
+
+    def vm_row(self, tx: Tx, vm_id: str) -> VmRow | None:
+        """One VM."""
+
+    def retake_vm(self, tx: Tx, row: VmRow, values: dict[str, Any]) -> bool:
+        """Set `values` if state and lease holder are as `row` read them; whether this call did."""
+
+    def move_vm(self, tx: Tx, vm_id: str, holder: str, from_states: Collection[str],
+                values: dict[str, Any]) -> bool:
+        """Set `values` if the VM is in `from_states` and `holder` holds it; whether it did."""
+
+    def set_vm_lease(self, tx: Tx, vm_id: str, holder: str, holder_after: str | None,
+                     expires: datetime | None) -> bool:
+        """Set the lease if `holder` has it; whether it did."""
+
+
 class Store(Protocol):
     """The store as the service uses it: one attribute per aggregate."""
 
@@ -150,10 +169,14 @@ class Store(Protocol):
     def tenants(self) -> TenantStore:
         """Tenants."""
 
+    @property
+    def vms(self) -> VmStore:
+        """VMs."""
+
 
 STORE: Store = SqlStore()
 
 __all__ = [
     "STORE", "EventStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store", "TenantStore",
-    "TokenStore", "Tx", "utcnow",
+    "TokenStore", "Tx", "VmStore", "utcnow",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from vgpu_ctl.store import events, idempotency, leader_lease, operations, tenants, tokens
+from vgpu_ctl.store import events, idempotency, leader_lease, operations, tenants, tokens, vms
 
 
 class SqlStore:
@@ -19,6 +19,7 @@ class SqlStore:
     leader_lease: Final = leader_lease
     operations: Final = operations
     tenants: Final = tenants
+    vms: Final = vms
 
 
 __all__ = ["SqlStore"]
