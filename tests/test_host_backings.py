@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from lxml import etree
+from sqlalchemy import select
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -27,10 +28,12 @@ from fake_sysfs import FakeVfioSysfs  # noqa: E402
 from hostfixtures import RecordingNodeDevices, pci_device, write_node_file  # noqa: E402
 
 from vgpu_ctl import Controller  # noqa: E402
-from vgpu_ctl.errors import HostError  # noqa: E402
+from vgpu_ctl.catalog import ProfileKind  # noqa: E402
+from vgpu_ctl.errors import HostError, NoCapacity  # noqa: E402
 from vgpu_ctl.hosts.agent import AgentHostSide, InProcessTransport  # noqa: E402
 from vgpu_ctl.hosts.hostside import LocalHostSide  # noqa: E402
 from vgpu_ctl.hosts.nodedev import parse_mdev_parent  # noqa: E402
+from vgpu_ctl.service.allocation import GPU, HOST  # noqa: E402
 from vgpu_ctl.service.hosts import HostFactory  # noqa: E402
 
 # kvm1 (mdev): A100 80GB legacy-style equal-size at 41 and mixed-size at 42, H100 in MIG mode at 43 whose VF
@@ -205,12 +208,17 @@ def test_wrong_mode_and_no_driver_are_findings(fleet: Fleet) -> None:
     assert no_nvml and "NVIDIA host driver is not loaded" in no_nvml[0]["fields"]["do"]
 
 
-def test_a_type_the_host_lacks_fails_cleanly_at_provisioning(fleet: Fleet) -> None:
-    with pytest.raises(HostError, match=re.escape("the mdev type id of A100D-20C on GPU 0000:41:00.0 is unknown "
-                                                  "on this host: discovery did not find the type there")):
+def test_a_type_the_host_lacks_is_kept_out_of_placement(fleet: Fleet) -> None:
+    with pytest.raises(NoCapacity, match="1 GPU whose host has no type id for the profile"):
         fleet.ctl.request_vm("acme", "nope", [("A100D-20C", 1)], vcpus=2, memory_mib=4096, pool="eq")
-    assert fleet.nodedev.calls == []
-    assert fleet.ctl.get_vm("nope").state == "failed"
+    assert fleet.nodedev.calls == [] and fleet.ctl.list_vms() == []
+    with fleet.ctl.engine.connect() as conn:
+        lacked = dict(conn.execute(select(GPU.c.pci_address, GPU.c.lacked_types).join(HOST, HOST.c.id == GPU.c.host_id)
+                                   .where(HOST.c.name == "kvm2")).all())
+    # MIG-backed types show on a VF only once a GPU instance exists: never lacked for that
+    mig_backed = {p.name for p in fleet.ctl.catalog.profiles("H200") if p.kind is ProfileKind.MIG_VGPU}
+    assert mig_backed and not mig_backed & set(lacked["0000:42:00.0"] or {})
+    _vm(fleet, "migvf", "H200-1-18C", "migvf")  # so placement offers their GPU for them
 
 
 # -- each backing ------------------------------------------------------------------------------------------------

@@ -44,7 +44,10 @@ def host_admits(host: HostView, req: PlacementRequest) -> str | None:
 
 
 def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple[Score, PlacementPlan] | None:
-    """The best placement of every vGPU of the request on this host (each on its own GPU), or None."""
+    """The best placement of every vGPU of the request on this host (each on its own GPU), or None. A request
+    without vGPUs takes only vCPUs and memory: every host fits it, scored by `host_score`."""
+    if not req.profiles:
+        return host_score(host, policy.order), PlacementPlan(host.host_id, host.name, (), {})
     price: PlanCost | None = None  # the host cost, set up at the first feasible position
     draft: dict[int, Occupancy] = {}  # the GPUs the plan takes so far, with their occupancy after
     chosen: list[DevicePlacement] = []
@@ -56,7 +59,7 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
         best: tuple[Score, Score, int, int, Occupancy] | None = None
         for view in host.gpus:
             gid, occ = view.gpu_id, view.occupancy
-            if gid in draft or occ.misfit(profile) is not None:
+            if gid in draft or profile in view.lacks or occ.misfit(profile) is not None:
                 continue
             for start in occ.placements(profile):
                 after = occ.placed(profile, start)  # misfit and fit_starts were just checked
@@ -74,6 +77,17 @@ def plan_on_host(host: HostView, req: PlacementRequest, policy: Policy) -> tuple
         worst = max(worst, s)
         chosen.append(DevicePlacement(gid, profile, start, after.geometry.shapes[profile].size))
     return (*cost, *worst), PlacementPlan(host.host_id, host.name, tuple(chosen), dict(draft))
+
+
+def host_score(host: HostView, order: CandidateOrder) -> Score:
+    """A host's score for a request without vGPUs, by the policy's candidate order applied to hosts: fullest
+    first (the fewest free vCPUs, then memory) for the packing policies, emptiest first for the spreading ones,
+    else host order; host order breaks ties."""
+    if order is CandidateOrder.FULLEST_FIRST:
+        return (host.free_vcpus, host.free_memory_mib, host.order)
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return (-host.free_vcpus, -host.free_memory_mib, host.order)
+    return (host.order,)
 
 
 def _size_of(host: HostView, profile: str) -> int:
@@ -126,15 +140,22 @@ def rank_hosts(req: PlacementRequest, hosts: Sequence[HostView], policy: Policy)
 
 def explain(req: PlacementRequest, hosts: Sequence[HostView]) -> dict[str, int]:
     """Why each GPU could not take the request, as counts of reason codes that add up to the GPUs considered:
-    the material of a refusal (`describe_refusal` says it in words)."""
+    the material of a refusal (`describe_refusal` says it in words). For a request without vGPUs, why each host
+    could not (counts that add up to the hosts; `describe_refusal(counts, "host")`)."""
     counts: Counter[str] = Counter()
     for host in hosts:
         why_host = host_admits(host, req)
+        if not req.profiles:
+            counts[why_host or "fits-alone"] += 1
+            continue
         if why_host is not None:
             counts[why_host] += len(host.gpus)
             continue
         whole = len(req.profiles) == 1 or plan_on_host(host, req, get_policy("first-fit")) is not None
         for g in host.gpus:
+            if set(req.profiles) & g.lacks:
+                counts[LACKS_TYPE] += 1
+                continue
             reasons = {g.occupancy.misfit(p) for p in set(req.profiles)}
             if reasons == {None}:
                 counts["fits-alone" if whole else "host-too-few-gpus"] += 1
@@ -143,6 +164,8 @@ def explain(req: PlacementRequest, hosts: Sequence[HostView]) -> dict[str, int]:
                 counts[str(worst)] += 1
     return dict(counts)
 
+
+LACKS_TYPE = "host-lacks-type"  # a GPU whose host has no type id for the profile (GpuView.lacks)
 
 REFUSAL_WORDS = {
     "host-draining": "on a cordoned (draining) host",
@@ -160,15 +183,26 @@ REFUSAL_WORDS = {
     str(Misfit.LAYOUT): "whose fixed MIG layout has no free slot for it",
     "host-too-few-gpus": "with room, on a host without room for all the VM's vGPUs",
     "fits-alone": "with room for it alone",
+    LACKS_TYPE: "whose host has no type id for the profile (a finding of `vgpuctl inventory apply`)",
+}
+HOST_REFUSAL_WORDS = {  # what `explain` counts per host for a request without vGPUs
+    "host-draining": "cordoned (draining)",
+    "host-down": "down",
+    "labels": "without the labels asked for",
+    "anti-affinity": "already running a VM of the anti-affinity group",
+    "vcpus": "short of vCPUs",
+    "memory": "short of memory",
+    "fits-alone": "with room for it",
 }
 
 
-def describe_refusal(counts: Mapping[str, int]) -> str:
+def describe_refusal(counts: Mapping[str, int], unit: str = "GPU") -> str:
     """A refusal's counts in an admin's words, most first: '3 GPUs on a host short of vCPUs, 1 GPU without a free
-    place for it'."""
-    parts = [f"{n} GPU{'' if n == 1 else 's'} {REFUSAL_WORDS.get(code, code)}"
+    place for it'; with unit "host" (a request without vGPUs), '2 hosts short of vCPUs, 1 host down'."""
+    words = HOST_REFUSAL_WORDS if unit == "host" else REFUSAL_WORDS
+    parts = [f"{n} {unit}{'' if n == 1 else 's'} {words.get(code, code)}"
              for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if n]
-    return ", ".join(parts) or "no GPUs in the pool"
+    return ", ".join(parts) or f"no {unit}s in the pool"
 
 
 def _misfit_rank(m: Misfit) -> int:
@@ -178,8 +212,8 @@ def _misfit_rank(m: Misfit) -> int:
 
 
 __all__ = [  # the placement API, with the types and policies it works with (their homes: placement_types, policies)
-    "POLICIES", "REFUSAL_WORDS", "CandidateOrder", "Demand", "DevicePlacement", "GpuView", "HostCandidate",
-    "HostCostFn", "HostView", "PlacementPlan", "PlacementRequest", "PlanCost", "Policy", "PolicyDef", "Score",
-    "ScoreFn", "TaskShape", "describe_refusal", "explain", "get_policy", "host_admits", "pack_policy", "plan",
-    "plan_on_host", "rank_hosts",
+    "HOST_REFUSAL_WORDS", "LACKS_TYPE", "POLICIES", "REFUSAL_WORDS", "CandidateOrder", "Demand", "DevicePlacement",
+    "GpuView", "HostCandidate", "HostCostFn", "HostView", "PlacementPlan", "PlacementRequest", "PlanCost", "Policy",
+    "PolicyDef", "Score", "ScoreFn", "TaskShape", "describe_refusal", "explain", "get_policy", "host_admits",
+    "host_score", "pack_policy", "plan", "plan_on_host", "rank_hosts",
 ]

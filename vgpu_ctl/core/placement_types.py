@@ -18,6 +18,7 @@ class GpuView:
     pci: str
     occupancy: Occupancy
     pool: str | None = None
+    lacks: frozenset[str] = frozenset()  # profiles its host has no type id for: never placed there
 
 
 @dataclass(frozen=True, slots=True)

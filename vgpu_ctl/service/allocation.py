@@ -240,9 +240,11 @@ def _labels(raw: Any) -> dict[str, str]:
 
 
 def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
-           pool_names: Mapping[int, str], whole: bool = False) -> Candidates:
+           pool_names: Mapping[int, str], whole: bool = False,
+           lacked: Mapping[int, frozenset[str]] | None = None) -> Candidates:
     """Candidate views of the GPU rows' hosts, in host order (`whole`: the rows are all of each host's GPUs in
-    the pool, which the views then say, for policies that score whole hosts)."""
+    the pool, which the views then say, for policies that score whole hosts; `lacked`: by GPU id, the profiles
+    its host lacks type ids for)."""
     by_host: dict[int, list[CandidateRow]] = {}
     for r in rows:
         by_host.setdefault(r.host_id, []).append(r)
@@ -258,7 +260,8 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
         for r in by_host[hid]:
             gpus.append(GpuView(r.id, r.pci_address,
                                 _occupancy(catalog, r.model, r.mode, r.mig_layout, r.layout, r.pinned_type),
-                                pool_names.get(r.pool_id) if r.pool_id else None))
+                                pool_names.get(r.pool_id) if r.pool_id else None,
+                                lacked.get(r.id, frozenset()) if lacked else frozenset()))
             out.versions[r.id] = r.version
             out.pcis[r.id] = r.pci_address
         h = by_host[hid][0]
@@ -412,12 +415,15 @@ def _gpu_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_i
 
 def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
                    anti_affinity: str | None, pool_names: Mapping[int, str]) -> Candidates:
-    """Every GPU of the pools whose model offers a profile (any mode), for explaining a refusal."""
+    """Every GPU of the pools whose model offers a profile (any mode), for explaining a refusal; each GPU's
+    view says which profiles its host lacks type ids for."""
     models = {m for p in set(profiles) for m in catalog.models_offering(p)}
     rows = [CandidateRow._make(r) for r in conn.execute(select(*_CANDIDATE_COLS).join(HOST, HOST.c.id == GPU.c.host_id)
                                                    .where(GPU.c.pool_id.in_(list(pool_ids))))]
     rows = [r for r in rows if r.model in models] or rows
-    return _views(conn, catalog, rows, anti_affinity, pool_names)
+    lacked = {gid: frozenset(names or ()) for gid, names in conn.execute(
+        select(GPU.c.id, GPU.c.lacked_types).where(GPU.c.pool_id.in_(list(pool_ids)), GPU.c.lacks != 0))}
+    return _views(conn, catalog, rows, anti_affinity, pool_names, lacked=lacked)
 
 
 def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> bool | None:
@@ -549,10 +555,16 @@ def gpu_state(occ: Occupancy) -> dict[str, Any]:
             "device_count": len(occ.slots), "fits": fit_mask(occ)}
 
 
+def unlacked(fits: Any) -> Any:
+    """SQL: a fit mask less the bits of the profiles the GPU's host lacks type ids for (`gpu.lacks`), so that
+    no candidate query offers the GPU for them."""
+    return fits - fits.op("&")(GPU.c.lacks)
+
+
 _WRITE_GPU = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type_=Integer),
                                          GPU.c.version == bindparam("g_version", type_=Integer)).values(
     {**{name: bindparam(f"g_{name}", type_=GPU.c[name].type) for name in GPU_STATE_COLUMNS},
-     "version": GPU.c.version + 1}))
+     "fits": unlacked(bindparam("g_fits", type_=BigInteger)), "version": GPU.c.version + 1}))
 
 
 def write_gpu(conn: Connection, gpu_id: int, version: int, occ: Occupancy) -> None:

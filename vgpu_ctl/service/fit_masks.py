@@ -2,7 +2,8 @@
 
 A fit mask (`core.geometry.fit_mask`) depends on the catalog's geometry: a new profile, or a changed one,
 changes which GPUs could take it. The store records the fingerprint of the catalog the masks were computed
-with; a controller opening the store with another catalog recomputes them first.
+with; a controller opening the store with another catalog recomputes them first. A GPU's mask never has the
+bits of the profiles its host lacks type ids for (`gpu.lacks`, from `gpu.lacked_types`; see service.host_types).
 
 The host summaries (`host_fit`, migration 0009) add up the masks per host, pool, model, mode and bit. Triggers
 on `gpu` keep them in each write's transaction; `vgpuctl init` recomputes them with the masks
@@ -11,13 +12,15 @@ on `gpu` keep them in each write's transaction; `vgpuctl init` recomputes them w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
 from vgpu_ctl.catalog import Catalog
-from vgpu_ctl.core.geometry import FIT_BITS, fit_mask
+from vgpu_ctl.core.geometry import FIT_BITS, fit_mask, geometry_for, profile_bit
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.service.allocation import GPU, HOST_FIT, occupancy_of
 from vgpu_ctl.store.models import FitBit, Meta
@@ -43,18 +46,19 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
             return 0
     with engine.begin() as conn:
         rows = conn.execute(select(GPU.c.id, GPU.c.model, GPU.c.mode, GPU.c.mig_layout, GPU.c.layout,
-                                   GPU.c.pinned_type, GPU.c.fits)).all()
+                                   GPU.c.pinned_type, GPU.c.fits, GPU.c.lacks, GPU.c.lacked_types)).all()
         changes = []
         for r in rows:
             try:
-                mask = fit_mask(occupancy_of(catalog, r._mapping))
+                lacks = lacks_bits(catalog, r.model, r.mode, r.lacked_types or ())
+                mask = fit_mask(occupancy_of(catalog, r._mapping)) & ~lacks
             except (InvalidInput, KeyError):
-                mask = ALL_BITS
-            if mask != r.fits:
-                changes.append({"g_id": r.id, "g_fits": mask})
+                lacks, mask = r.lacks, ALL_BITS
+            if mask != r.fits or lacks != r.lacks:
+                changes.append({"g_id": r.id, "g_fits": mask, "g_lacks": lacks})
         if changes:  # one batch: a catalog change on a large fleet touches many GPUs
-            conn.execute(update(GPU).where(GPU.c.id == bindparam("g_id")).values(fits=bindparam("g_fits")),
-                         changes)
+            conn.execute(update(GPU).where(GPU.c.id == bindparam("g_id"))
+                         .values(fits=bindparam("g_fits"), lacks=bindparam("g_lacks")), changes)
         if force:
             rebuild_summaries(conn)
         upsert = (pg_insert if conn.dialect.name == "postgresql" else sqlite_insert)(META)
@@ -62,6 +66,21 @@ def ensure_fit_masks(engine: Engine, catalog: Catalog, force: bool = False) -> i
         conn.execute(upsert.values(key=CATALOG_KEY, value=masks_key(catalog))
                      .on_conflict_do_update(index_elements=[META.c.key], set_={"value": masks_key(catalog)}))
     return len(changes)
+
+
+def lacks_bits(catalog: Catalog, model: str, mode: str, profiles: Iterable[str]) -> int:
+    """The fit-mask bits of `profiles` on a GPU of this model and mode (`gpu.lacks` for the profiles its host
+    has no type id for; bits depend on the catalog, so they are recomputed with the masks). A bit another
+    profile of the geometry shares (past FIT_BITS profiles) is left in: a mask only ever over-approximates."""
+    geom = geometry_for(catalog, model, mode)
+    lacked = set(profiles)
+    bits = others = 0
+    for name in geom.shapes:
+        if name in lacked:
+            bits |= profile_bit(geom, name)
+        else:
+            others |= profile_bit(geom, name)
+    return bits & ~others
 
 
 FIT_BIT: Table = FitBit.__table__  # type: ignore[attr-defined]

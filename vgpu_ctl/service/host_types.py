@@ -2,7 +2,9 @@
 
 `inventory apply` of a libvirt host and `host discover --write` record the mdev type ids, vendor-VFIO type ids
 and NVML MIG profile ids a GPU offers; a profile the declared mode needs but the host lacks is a finding
-with what to do, reported then, instead of a failure when a VM is provisioned.
+with what to do, reported then, instead of a failure when a VM is provisioned. Such profiles are kept per GPU
+(`gpu.lacked_types`, with what to do) and out of its fit mask (`gpu.lacks`), so placement never picks that GPU
+for them; a refusal they cause says which profile, host and GPU, and the finding's advice.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from sqlalchemy import Table, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
+from vgpu_ctl.core.geometry import fit_mask
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.hosts.discovery import DiscoveredGpu, Discovery, discover_host
-from vgpu_ctl.service.allocation import GPU, HOST
+from vgpu_ctl.service.allocation import GPU, HOST, occupancy_of
+from vgpu_ctl.service.fit_masks import lacks_bits
 from vgpu_ctl.store.models import GpuTypeId, utcnow
 
 if TYPE_CHECKING:
@@ -109,9 +113,11 @@ def record_discovery(conn: Connection, catalog: Catalog, d: Discovery) -> list[C
         g = by_pci.get(gpu.pci_address)
         if g is None or g.model != gpu.model:
             what = "no NVIDIA GPU there" if g is None else f"a {g.model or 'model the catalog lacks'}"
-            changes.append(_finding("gpu-mismatch", name, f"declared a {gpu.model}, the host has {what}",
-                                    "fix the inventory's pci/model (see `vgpuctl host discover`)"))
+            todo = "fix the inventory's pci/model (see `vgpuctl host discover`)"
+            changes.append(_finding("gpu-mismatch", name, f"declared a {gpu.model}, the host has {what}", todo))
             _replace(conn, gpu.id, {k: {} for k in KINDS})
+            _keep_out(conn, catalog, gpu, {n: f"host {label}: {todo}" for names in
+                                           _needed(catalog, gpu, backing).values() for n in names})
             continue
         found = _found_ids(catalog, gpu.model, g)
         old = stored_ids(conn, gpu.id)
@@ -127,13 +133,50 @@ def record_discovery(conn: Connection, catalog: Catalog, d: Discovery) -> list[C
             changes.append(_finding("wrong-mode", name, f"declared mode {gpu.mode}, but MIG mode is on",
                                     f"time-sliced vGPU types need MIG off (`nvidia-smi -i {gpu.pci_address} "
                                     "-mig 0`), or declare the GPU `mode: mig`"))
+        lacked: dict[str, str] = {}
         for kind, names in _needed(catalog, gpu, backing).items():
             missing = [n for n in names if n not in found[kind]]
             if missing:
+                todo = _advice(kind, gpu, g, found, d.driver_version)
                 changes.append(_finding(f"missing-{kind}-types", name,
                                         f"{gpu.model} in mode {gpu.mode}: the host has no {kind} id for "
-                                        f"{', '.join(missing)}", _advice(kind, gpu, g, found, d.driver_version)))
+                                        f"{', '.join(missing)}", todo))
+                lacked.update({n: f"host {label} has no {kind} type id for {n} on {gpu.pci_address}: {todo}"
+                               for n in missing if kind != "vfio" or _shown_before_instance(catalog, gpu, n)})
+        _keep_out(conn, catalog, gpu, {**_unfilled(catalog, gpu, lacked), **lacked})
     return changes
+
+
+def _shown_before_instance(catalog: Catalog, gpu: Any, profile: str) -> bool:
+    """False for a MIG-backed type on a vendor-VFIO VF: it shows there only once a GPU instance of its profile
+    exists, so its absence at discovery says nothing."""
+    p = catalog.profile(gpu.model, profile)
+    return p is None or p.kind is not ProfileKind.MIG_VGPU
+
+
+def _unfilled(catalog: Catalog, gpu: Any, lacked: Mapping[str, str]) -> dict[str, str]:
+    """Bare MIG profiles a KVM guest can't get on this GPU because the MIG-backed type that fills their
+    instance is lacked there (see provision.kvm_mig_type), with what to do."""
+    from vgpu_ctl.service.provision import kvm_mig_type
+    out = {}
+    for p in catalog.profiles(gpu.model):
+        filling = kvm_mig_type(catalog, gpu.model, p.name) if p.kind is ProfileKind.MIG else None
+        if filling is not None and filling.name in lacked:
+            out[p.name] = f"a KVM guest gets {p.name} through {filling.name}, and {lacked[filling.name]}"
+    return out
+
+
+def _keep_out(conn: Connection, catalog: Catalog, gpu: Any, lacked: Mapping[str, str]) -> None:
+    """Record the profiles a GPU's host lacks type ids for (with what to do) and take them out of its fit mask,
+    so placement never picks the GPU for them (see service.fit_masks); the GPU's version moves on, so a claim
+    planned on the old mask retries."""
+    lacks = lacks_bits(catalog, gpu.model, gpu.mode, lacked)
+    stored = gpu.lacked_types or {}
+    if lacks == gpu.lacks and dict(lacked) == stored:
+        return
+    fits = fit_mask(occupancy_of(catalog, gpu._mapping)) & ~lacks
+    conn.execute(GPU.update().where(GPU.c.id == gpu.id).values(
+        lacks=lacks, lacked_types=dict(sorted(lacked.items())) or None, fits=fits, version=GPU.c.version + 1))
 
 
 def _finding(kind: str, name: str, detail: str, todo: str) -> Change:

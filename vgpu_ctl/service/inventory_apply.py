@@ -10,14 +10,14 @@ import operator
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-from sqlalchemy import Table, select
+from sqlalchemy import BigInteger, Table, literal, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import encode_layout, fit_mask, geometry_for, parse_mig_layout
 from vgpu_ctl.errors import Conflict
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl, paused_gc
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, occupancy_of
+from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, occupancy_of, unlacked
 from vgpu_ctl.store.models import Pool, Vm
 
 POOL: Table = Pool.__table__  # type: ignore[attr-defined]
@@ -244,10 +244,13 @@ class _GpuWriter:
                 raise Conflict(f"GPU {label} holds devices of VMs {', '.join(vms)}; it can't change "
                                f"{', '.join(sorted(recarve if isinstance(recarve, set) else {'pinned_type'}))} "
                                "until they are deleted", reasons=[{"gpu": label, "vms": vms}])
-            values = dict(fields)
-            if {"model", "mode"} & d.keys():
-                values.update(axis_units=axis, free_units=axis, layout="", active_type=None)
-            values["fits"] = _fits(self.catalog, {**row._mapping, **values})
+            values: dict[str, Any] = dict(fields)
+            remode = bool({"model", "mode"} & d.keys())
+            if remode:  # what the host lacked was for the old mode: discovery reads it again
+                values.update(axis_units=axis, free_units=axis, layout="", active_type=None, lacks=0,
+                              lacked_types=None)
+            fits = _fits(self.catalog, {**row._mapping, **values})
+            values["fits"] = fits if remode else unlacked(literal(fits, BigInteger))
             self.conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
             changes.append({"action": "update", "kind": "gpu", "name": label,
                             "fields": _named(d, self.pool_names)})

@@ -81,6 +81,10 @@ class Gpu(SQLModel, table=True):
     layout: str = ""  # occupied slots, compact form (geometry.encode_layout)
     device_count: int = 0
     fits: int = Field(default=0, sa_column=Column(BigInteger, nullable=False, server_default="0"))
+    # The profiles its host has no type id for, with what to do (recorded by discovery), and their fit-mask
+    # bits, which every write of `fits` leaves out (migration 0010).
+    lacks: int = Field(default=0, sa_column=Column(BigInteger, nullable=False, server_default="0"))
+    lacked_types: dict[str, str] | None = Field(default=None, sa_column=Column(JSON))
     version: int = 0
 
 
