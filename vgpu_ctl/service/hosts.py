@@ -9,34 +9,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.engine import URL, Connection, make_url
-
 from vgpu_ctl.core.vm_state import VmState
 from vgpu_ctl.errors import InvalidInput, NotFound
 from vgpu_ctl.hosts.hostside import HostSide
 from vgpu_ctl.hosts.nodedev import NodeDeviceApi
 from vgpu_ctl.hosts.protocol import HostDriver
 from vgpu_ctl.render import TemplateRenderer
-from vgpu_ctl.service.allocation import HOST, TENANT
-from vgpu_ctl.store.models import Vm
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.urls import StoreUrl, database_name, masked, sqlite_file
 
-VM = Vm.__table__  # type: ignore[attr-defined]
 HOST_STATES = ("active", "draining", "down")
 
 
-def store_key(url: str | URL, state_path: Path) -> str:
+def store_key(url: str | StoreUrl, state_path: Path) -> str:
     """What identifies a store across processes and copies of the state folder: a SQLite file by its path
     (relative to `state_path` when inside it), any other store by its URL without the password."""
-    parsed = make_url(url) if isinstance(url, str) else url
-    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
-        db = Path(parsed.database).absolute()
+    file = sqlite_file(url)
+    if file is not None:
+        db = Path(file).absolute()
         base = state_path.absolute()
         return f"sqlite:{db.relative_to(base) if db.is_relative_to(base) else db}"
-    return parsed.render_as_string(hide_password=True)
+    return masked(url)
 
 
-def simulated_state_dir(url: str | URL, state_path: Path) -> Path:
+def simulated_state_dir(url: str | StoreUrl, state_path: Path) -> Path:
     """Where the simulated hosts of the store at `url` keep their devices and domains, so that two stores never
     see each other's: `state_path/hosts` belongs to the first store that used it (named in its `.store` file);
     any other store gets `state_path/stores/<database>-<hash>/hosts`."""
@@ -55,8 +51,7 @@ def simulated_state_dir(url: str | URL, state_path: Path) -> Path:
             tmp.unlink()
     if marker.read_text() == key:
         return shared
-    parsed = make_url(url) if isinstance(url, str) else url
-    stem = Path(parsed.database or "store").name
+    stem = Path(database_name(url) or "store").name
     name = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in stem)[:40]
     return state_path / "stores" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}" / "hosts"
 
@@ -111,20 +106,18 @@ class HostFactory:
         self._drivers.clear()
 
 
-def set_host_state(conn: Connection, name: str, state: str) -> dict[str, Any]:
+def set_host_state(conn: Tx, name: str, state: str) -> dict[str, Any]:
     """Set a host's scheduling state (active: takes new VMs; draining: keeps its VMs, takes no new ones; down:
     takes none). The host, its state before and after, and the VMs still on it."""
     if state not in HOST_STATES:
         raise InvalidInput(f"host state {state!r} is not one of {', '.join(HOST_STATES)}",
                            reasons=[{"field": "state", "value": state}])
-    row = conn.execute(select(HOST.c.id, HOST.c.state).where(HOST.c.name == name)).first()
+    row = STORE.hosts.host_state(conn, name)
     if row is None:
-        known = ", ".join(r[0] for r in conn.execute(select(HOST.c.name).order_by(HOST.c.name)))
+        known = ", ".join(STORE.hosts.host_names(conn))
         raise NotFound(f"host {name!r} not found (known: {known or 'none'})",
                        reasons=[{"field": "host", "value": name}])
     if row.state != state:
-        conn.execute(HOST.update().where(HOST.c.id == row.id).values(state=state))
-    vms = sorted(f"{r.tenant}/{r.name}" for r in conn.execute(
-        select(VM.c.name, TENANT.c.name.label("tenant")).join(TENANT, TENANT.c.id == VM.c.tenant_id)
-        .where(VM.c.host_id == row.id, VM.c.state != VmState.FAILED.value)))
+        STORE.hosts.set_host_state(conn, row.id, state)
+    vms = sorted(f"{tenant}/{vm}" for tenant, vm in STORE.hosts.vms_on_host(conn, row.id, VmState.FAILED.value))
     return {"host": name, "from": row.state, "to": state, "vms": vms}

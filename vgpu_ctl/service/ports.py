@@ -9,6 +9,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.hosts import HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.operations import OperationLease, OperationRow
@@ -43,6 +44,22 @@ class EventStore(Protocol):
     def add_event(self, tx: Tx, actor: str, action: str, target: str, tenant: str | None,
                   params: dict[str, Any], result: str, error: str | None) -> None:
         """Write one audit event."""
+
+
+class HostStore(Protocol):
+    """Hosts: scheduling state and the VMs on them."""
+
+    def host_state(self, tx: Tx, name: str) -> HostState | None:
+        """A host by name."""
+
+    def host_names(self, tx: Tx) -> list[str]:
+        """Every host's name, sorted."""
+
+    def set_host_state(self, tx: Tx, host_id: int, state: str) -> None:
+        """Set a host's scheduling state."""
+
+    def vms_on_host(self, tx: Tx, host_id: int, but_state: str) -> list[tuple[str, str]]:
+        """(tenant, VM name) of the host's VMs not in `but_state`."""
 
 
 class IdempotencyStore(Protocol):
@@ -154,6 +171,10 @@ class Store(Protocol):
         """The audit trail."""
 
     @property
+    def hosts(self) -> HostStore:
+        """Hosts."""
+
+    @property
     def idempotency(self) -> IdempotencyStore:
         """Idempotency keys."""
 
@@ -177,6 +198,6 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store", "TenantStore",
-    "TokenStore", "Tx", "VmStore", "utcnow",
+    "STORE", "EventStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store",
+    "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from vgpu_ctl.store import events, idempotency, leader_lease, operations, tenants, tokens, vms
+from vgpu_ctl.store import events, hosts, idempotency, leader_lease, operations, tenants, tokens, vms
 
 
 class SqlStore:
@@ -15,6 +15,7 @@ class SqlStore:
 
     tokens: Final = tokens
     events: Final = events
+    hosts: Final = hosts
     idempotency: Final = idempotency
     leader_lease: Final = leader_lease
     operations: Final = operations

@@ -3,10 +3,14 @@ opened (the URL with its password masked, the accepted forms), for the CLI and t
 
 from __future__ import annotations
 
-from sqlalchemy.engine import make_url
+from typing import TypeAlias
+
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from vgpu_ctl.errors import InvalidInput
+
+StoreUrl: TypeAlias = URL  # a parsed store URL (an engine's `url`)
 
 URL_FORMS = ("sqlite:///RELATIVE/PATH.db, sqlite:////ABSOLUTE/PATH.db, "
              "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE")
@@ -52,3 +56,23 @@ def store_error(url: str, exc: BaseException) -> InvalidInput:
     detail = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
     return InvalidInput(f"--db {shown(url)}: can't open the store: {detail} (accepted forms: {URL_FORMS})",
                         reasons=[{"field": "db", "value": shown(url), "error": detail}])
+
+
+def sqlite_file(url: str | StoreUrl) -> str | None:
+    """The database file of a SQLite store at `url`; None for any other store (and SQLite in memory)."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    if parsed.get_backend_name() == "sqlite" and parsed.database and parsed.database != ":memory:":
+        return str(parsed.database)
+    return None
+
+
+def database_name(url: str | StoreUrl) -> str | None:
+    """The database part of `url` (a SQLite file's path, PostgreSQL's database name)."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    return parsed.database
+
+
+def masked(url: str | StoreUrl) -> str:
+    """`url` with its password masked."""
+    parsed = make_url(url) if isinstance(url, str) else url
+    return parsed.render_as_string(hide_password=True)

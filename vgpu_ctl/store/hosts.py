@@ -1,0 +1,40 @@
+"""Hosts in the store (`host`): their scheduling state and the VMs on them."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from sqlalchemy import select
+
+from vgpu_ctl.store.tables import HOST, TENANT, VM
+from vgpu_ctl.store.unit import Tx
+
+
+class HostState(NamedTuple):
+    """A host's id and scheduling state."""
+
+    id: int
+    state: str
+
+
+def host_state(tx: Tx, name: str) -> HostState | None:
+    """The host named `name`, if there is one."""
+    row = tx.execute(select(HOST.c.id, HOST.c.state).where(HOST.c.name == name)).first()
+    return HostState(row.id, row.state) if row is not None else None
+
+
+def host_names(tx: Tx) -> list[str]:
+    """Every host's name, sorted."""
+    return [str(r[0]) for r in tx.execute(select(HOST.c.name).order_by(HOST.c.name))]
+
+
+def set_host_state(tx: Tx, host_id: int, state: str) -> None:
+    """Set the host's scheduling state."""
+    tx.execute(HOST.update().where(HOST.c.id == host_id).values(state=state))
+
+
+def vms_on_host(tx: Tx, host_id: int, but_state: str) -> list[tuple[str, str]]:
+    """(tenant, VM name) of the VMs on the host that are not in `but_state`."""
+    return [(str(r.tenant), str(r.name)) for r in tx.execute(
+        select(VM.c.name, TENANT.c.name.label("tenant")).join(TENANT, TENANT.c.id == VM.c.tenant_id)
+        .where(VM.c.host_id == host_id, VM.c.state != but_state))]
