@@ -1,6 +1,7 @@
 """The shipped Grafana dashboard and Prometheus rules use only metric names (and selector labels) the code
-exports: the store and utilization collectors run on the demo store (with the fake NVML behind a sampler) and
-the server's metrics function on the same store. The rules pass `promtool check rules` and their unit tests."""
+exports: the store and utilization collectors run on the demo store (with the fake NVML behind a sampler, one
+sampling round kept in the store) and the server's metrics function on the same store. The rules pass
+`promtool check rules` and their unit tests."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from vgpu_ctl.ops.metrics import StoreCollector
 from vgpu_ctl.ops.utilization import UtilizationCollector
 from vgpu_ctl.server.metrics import server_metrics
 from vgpu_ctl.server.runtime import LoopStats
-from vgpu_ctl.service.utilization import IdleTracker
+from vgpu_ctl.service.utilization import IdleRule
+from vgpu_ctl.service.utilization_samples import sample_round
 
 DASHBOARD = ROOT / "contrib" / "grafana" / "vgpu-ctl.json"
 RULES = ROOT / "contrib" / "prometheus" / "vgpu-ctl-rules.yml"
@@ -82,9 +84,10 @@ def exported(store: Store) -> dict[str, set[str] | None]:
     ctl = store.ctl()
     try:
         ctl.set_quota("acme", {"vms": 5, "framebuffer_mib": 102400})
+        sample_round(ctl, sampler)
         reg = CollectorRegistry(auto_describe=False)
         reg.register(StoreCollector(ctl))
-        reg.register(UtilizationCollector(ctl, sampler, IdleTracker(0.05, 0)))
+        reg.register(UtilizationCollector(ctl, IdleRule(0.05, 0)))
         text = generate_latest(reg).decode()
         rt = SimpleNamespace(ctx=SimpleNamespace(engine=ctl.engine), stats=LoopStats(), leading=True,
                              accepting=True, in_flight=0)

@@ -1,6 +1,7 @@
 """Measured GPU loads feed placement: a pool with policy spread-load places on the GPU its hosts last
 measured idle (through the store's claim, not only the policy on its own), stale loads count as none, and a
-bad load is refused with nothing written. The server's leader samples them on an interval."""
+bad load is refused with nothing written. The server's leader samples them on an interval and keeps the whole
+sample, which any other replica's metrics then read without calling a host."""
 
 from __future__ import annotations
 
@@ -94,8 +95,76 @@ def test_the_sampling_interval_is_a_setting(tmp_path: Path) -> None:
     assert load_config(cfg, {}).utilization_interval_s == 0
 
 
-def test_the_leader_samples_on_its_interval(tmp_path: Path) -> None:
+class OneGpu:
+    """A sampler: the first H100 of the inference pool as NVML would show it, with one vGPU of `device` (its uuid
+    as the mdev), busy `busy`; every other host has nothing to read."""
+
+    def __init__(self, host: str, pci: str, device: str, busy: int = 3) -> None:
+        self.host, self.pci, self.device, self.busy = host, pci, device, busy
+        self.calls = 0
+
+    def __call__(self, row: Any) -> Any:
+        from vgpu_ctl.hosts.utilization import GpuSample, HostSample, VgpuSample
+        self.calls += 1
+        if row.name != self.host:
+            return None
+        return HostSample(time.time(), [GpuSample(self.pci, "GPU-h100", 0, "NVIDIA H100 80GB HBM3", utilization=0.5,
+                                                  power_watts=301.5, temperature_c=55.0, xid_errors=0, last_xid=0)],
+                          [VgpuSample(self.pci, "GPU-h100", 7, mdev_uuid=self.device, sm=self.busy / 100)])
+
+
+def _one_vm(c: Controller) -> OneGpu:
+    vm = c.request_vm("acme", "v1", [("A100D-10C", 1)], vcpus=2, memory_mib=2048, pool="inference",
+                      provision=False)
+    host, pci = vm.devices[0].gpu.split("/")
+    with c.engine.connect() as conn:
+        uuid = conn.execute(select(alloc.DEVICE.c.uuid).where(alloc.DEVICE.c.vm_id == vm.id)).scalar_one()
+    return OneGpu(host, pci, uuid)
+
+
+def _utilization(text: str) -> dict[str, list[Any]]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f.samples for f in text_string_to_metric_families(text) if f.name.startswith(
+        ("vgpuctl_gpu_", "vgpuctl_vgpu_", "vgpuctl_utilization_"))}
+
+
+def test_a_round_is_kept_whole_and_another_replica_reads_it(fleet: Controller) -> None:
+    from vgpu_ctl.ops.metrics import dump
+    from vgpu_ctl.service.utilization_samples import sample_round
+    sampler = _one_vm(fleet)
+    assert sample_round(fleet, sampler, interval_s=60) == {"hosts": 1, "gpu_loads": 1}
+    calls = sampler.calls
+    with Controller(fleet.engine.url.render_as_string(hide_password=False), state_path=fleet.state_path) as other:
+        seen = _utilization(dump(other))
+    assert sampler.calls == calls
+    (power,) = seen["vgpuctl_gpu_power_watts"]
+    assert power.value == 301.5 and power.labels["Hostname"] == sampler.host and power.labels["pool"] == "inference"
+    (sm,) = [s for s in seen["vgpuctl_vgpu_utilization_ratio"] if s.labels["engine"] == "sm"]
+    assert (sm.value, sm.labels["tenant"], sm.labels["vm"], sm.labels["mdev"]) == (0.03, "acme", "v1", sampler.device)
+    (age,) = seen["vgpuctl_utilization_sample_age_seconds"]
+    assert 0 <= age.value < 30
+    assert sample_round(fleet, sampler, interval_s=60)["hosts"] == 1  # replaced, not added
+    with fleet.engine.connect() as conn:
+        from vgpu_ctl.service.utilization_samples import SAMPLE
+        assert len(conn.execute(select(SAMPLE)).all()) == 1
+
+
+def test_a_bad_interval_is_refused_with_nothing_written(fleet: Controller) -> None:
+    from vgpu_ctl.service.utilization_samples import SAMPLE, sample_round
+    sampler = _one_vm(fleet)
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(InvalidInput, match="interval_s") as err:
+            sample_round(fleet, sampler, interval_s=bad)
+        assert err.value.reasons[0]["field"] == "interval_s"
+    assert sampler.calls == 0
+    with fleet.engine.connect() as conn:
+        assert conn.execute(select(SAMPLE)).all() == [] and conn.execute(select(gpu_loads.GPU_LOAD)).all() == []
+
+
+def test_the_leader_samples_on_its_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl.ops.metrics import dump
     from vgpu_ctl.server.runtime import Runtime
+    from vgpu_ctl.service import utilization
     cfg = ServerConfig(store=f"sqlite:///{tmp_path / 'store.db'}", state_dir=str(tmp_path), reconcile_interval_s=0,
                        recovery_interval_s=0.1, utilization_interval_s=0.2, drain_timeout_s=5).check()
     rt = Runtime(cfg)
@@ -106,5 +175,14 @@ def test_the_leader_samples_on_its_interval(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert rt.leading and rt.stats.utilization_samples >= 2 and rt.stats.utilization_errors == 0
         assert rt.stats.gpu_loads_recorded == 0  # simulated hosts have no NVML to sample
+        rt.server.create_tenant("acme")
+        sampler = _one_vm(rt.server)
+        monkeypatch.setattr(utilization, "default_sampler", lambda ctl: sampler)
+        while rt.stats.gpu_loads_recorded == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rt.stats.gpu_loads_recorded == 1
+        with Controller(cfg.store) as reader:  # not the leader: it reads what the leader kept
+            seen = _utilization(dump(reader))
+        assert [s.value for s in seen["vgpuctl_gpu_power_watts"]] == [301.5]
     finally:
         rt.close()

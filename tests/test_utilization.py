@@ -1,10 +1,12 @@
 """Real utilization: NVML sampled on the host (fake NVML), through the agent, joined with the demo store to
-devices, VMs, tenants and pools; the metrics with dcgm-exporter's labels; idle-vGPU detection in metrics and
-status; measured load steering spread-load."""
+devices, VMs, tenants and pools and kept there by a sampling round; the metrics (with dcgm-exporter's labels) and
+idle-vGPU detection read from the kept samples, never from a host; measured load steering spread-load."""
 
 from __future__ import annotations
 
 import json
+import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,9 @@ from vgpu_ctl.hosts.hostside import LocalHostSide
 from vgpu_ctl.hosts.nvml_mig import NvmlMig
 from vgpu_ctl.hosts.utilization import HostSample, read_xids, sample, sample_side
 from vgpu_ctl.ops.status import fleet_status
-from vgpu_ctl.ops.utilization import UtilizationCollector, tracker_from_env
-from vgpu_ctl.service.utilization import IdleTracker, collect_usage, load_by_gpu, spread_load_policy
+from vgpu_ctl.ops.utilization import UtilizationCollector, idle_vgpus, rule_from_env
+from vgpu_ctl.service.utilization import IdleRule, add_mark, below_since, collect_usage, load_by_gpu, spread_load_policy
+from vgpu_ctl.service.utilization_samples import sample_round, stored_usage
 
 MIB = 2**20
 
@@ -157,13 +160,26 @@ class Fleet:
         NvmlMig(self.nvml[a2[1]]).create(_mig_spec(bus(a2[2])[4:], 9, 0))
         self.broken: set[str] = set()
 
+        self.now = time.time()
+        self.calls = 0
+
     def __call__(self, host: Any) -> HostSample | None:
+        self.calls += 1
         if host.name in self.broken:
             raise HostError(f"host {host.name}: the host agent failed")
         nvml = self.nvml.get(host.name)
         return None if nvml is None else sample(nvml, kmsg=None, clock=lambda: self.now)
 
-    now = 1_000_000.0
+    def round(self, ctl: Any, interval_s: float = 600.0) -> dict[str, int]:
+        """One sampling round at `now`, kept in the store (as the server's leader does it)."""
+        return sample_round(ctl, self, interval_s=interval_s, now=self.now)
+
+
+def scrape(ctl: Any, rule: IdleRule | None = None) -> dict[str, Any]:
+    """The utilization families of one scrape, by name."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(UtilizationCollector(ctl, rule))
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
 
 
 def test_each_vgpu_is_attributed_to_its_device_vm_tenant_and_pool(store: Store) -> None:
@@ -204,12 +220,10 @@ def test_metrics_carry_dcgm_labels_and_per_tenant_utilization(store: Store) -> N
     fleet = Fleet(store)
     ctl = store.ctl()
     try:
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(UtilizationCollector(ctl, fleet, IdleTracker(0.05, 0)))
-        text = generate_latest(reg).decode()
+        assert fleet.round(ctl) == {"hosts": 3, "gpu_loads": 4}
+        fams = scrape(ctl, IdleRule(0.05, 0))
     finally:
         ctl.close()
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
     util = [s for s in fams["vgpuctl_vgpu_utilization_ratio"].samples if s.labels["engine"] == "sm"]
     g1 = next(s for s in util if s.labels["vm"] == "g1")
     assert g1.value == 0.8 and g1.labels["tenant"] == "globex" and g1.labels["UUID"] == "GPU-l40s-17"
@@ -222,6 +236,85 @@ def test_metrics_carry_dcgm_labels_and_per_tenant_utilization(store: Store) -> N
     assert idle == {"a1": 1.0}  # 1 %, threshold 5 %, idle_for 0; g1 busy; a2 has no utilization (MIG)
     up = {s.labels["Hostname"]: s.value for s in fams["vgpuctl_utilization_host_up"].samples}
     assert up == {"kvm-a100-01": 1.0, "kvm-h100-01": 1.0, "kvm-l40s-01": 1.0}
+    ages = {s.labels["Hostname"]: s.value for s in fams["vgpuctl_utilization_sample_age_seconds"].samples}
+    assert set(ages) == set(up) and all(0 <= a < 60 for a in ages.values())
+
+
+def test_a_scrape_calls_no_host_and_every_reader_sees_the_same_numbers(store: Store,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl.ops.metrics import dump
+    fleet = Fleet(store)
+    leader = store.ctl()
+    try:
+        fleet.round(leader)
+    finally:
+        leader.close()
+    sampled = fleet.calls
+
+    def no_host(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a scrape called a host")
+
+    import vgpu_ctl.service.utilization as utilization
+    monkeypatch.setattr(utilization, "sample_side", no_host)
+    monkeypatch.setattr(utilization, "sample_hosts", no_host)
+
+    def values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+                if f.name.startswith(("vgpuctl_gpu_", "vgpuctl_vgpu_", "vgpuctl_utilization_host_up"))
+                for s in f.samples}
+
+    first, other = store.ctl(), store.ctl()  # two processes' controllers, neither of them the sampler
+    try:
+        a, b = values(dump(first)), values(dump(other))
+    finally:
+        first.close()
+        other.close()
+    assert fleet.calls == sampled  # the scrapes sampled nothing
+    assert a == b and a[("vgpuctl_vgpu_framebuffer_used_bytes", tuple(sorted({
+        "Hostname": "kvm-l40s-01", "gpu": "0", "UUID": "GPU-l40s-17", "GPU_I_PROFILE": "", "GPU_I_ID": "",
+        "kind": "vgpu", "device": fleet.ids["g1"], "mdev": fleet.ids["g1"], "profile": "L40S-12C", "vm": "g1",
+        "tenant": "globex", "pool": "workstations"}.items())))] == 2**30
+
+
+def test_a_stale_sample_shows_its_age_not_its_values(store: Store) -> None:
+    fleet = Fleet(store)
+    fleet.now = time.time() - 400  # three intervals of 120 s ago, and some
+    ctl = store.ctl()
+    try:
+        fleet.round(ctl, interval_s=120)
+        fams = scrape(ctl, IdleRule(0.05, 0))
+        out = idle_vgpus(ctl, IdleRule(0.05, 0))
+        fleet.now = time.time() - 300  # within three intervals: current again
+        fleet.round(ctl, interval_s=120)
+        fresh = scrape(ctl, IdleRule(0.05, 0))
+    finally:
+        ctl.close()
+    for name in ("vgpuctl_gpu_utilization_ratio", "vgpuctl_vgpu_utilization_ratio", "vgpuctl_vgpu_idle"):
+        assert fams[name].samples == [], name
+        assert fresh[name].samples != [], name
+    up = {s.labels["Hostname"]: s.value for s in fams["vgpuctl_utilization_host_up"].samples}
+    ages = {s.labels["Hostname"]: s.value for s in fams["vgpuctl_utilization_sample_age_seconds"].samples}
+    assert set(up.values()) == {0.0} and all(400 <= a < 460 for a in ages.values())
+    assert out["vgpus"] == [] and all("stale" in why for why in out["hosts"].values())
+
+
+def test_a_host_that_fails_keeps_its_last_sample_and_says_so(store: Store) -> None:
+    fleet = Fleet(store)
+    ctl = store.ctl()
+    try:
+        fleet.round(ctl)
+        fleet.broken.add("kvm-l40s-01")
+        fleet.now += 60
+        fleet.round(ctl)
+        fams = scrape(ctl)
+        hosts = stored_usage(ctl).usage.hosts
+    finally:
+        ctl.close()
+    up = {s.labels["Hostname"]: s.value for s in fams["vgpuctl_utilization_host_up"].samples}
+    assert up == {"kvm-a100-01": 1.0, "kvm-h100-01": 1.0, "kvm-l40s-01": 0.0}
+    assert hosts["kvm-l40s-01"] == "host kvm-l40s-01: the host agent failed"
+    kept = {s.labels["vm"] for s in fams["vgpuctl_vgpu_utilization_ratio"].samples}
+    assert "g1" in kept  # its sample of a minute before is still current
 
 
 def test_the_registry_of_metrics_dump_has_the_utilization_families(store: Store) -> None:
@@ -237,25 +330,36 @@ def test_the_registry_of_metrics_dump_has_the_utilization_families(store: Store)
 
 def test_idle_needs_the_configured_time_below_the_threshold(store: Store) -> None:
     fleet = Fleet(store)
-    tracker = IdleTracker(0.05, 600)
+    rule = IdleRule(0.05, 600)
     ctl = store.ctl()
+
+    def below() -> dict[str | None, Any]:
+        fleet.round(ctl)
+        return {i.vm: i for i in stored_usage(ctl, now=fleet.now).idle_vgpus(rule)}
+
     try:
-        first = {i.vm: i for i in tracker.update(collect_usage(ctl, fleet))}
+        first = below()
         assert set(first) == {"a1"} and not first["a1"].idle and first["a1"].why == "utilization"
         fleet.now += 601
-        later = {i.vm: i for i in tracker.update(collect_usage(ctl, fleet))}
+        later = below()
         assert later["a1"].idle and later["a1"].below_since == first["a1"].below_since
         fleet.broken.add("kvm-a100-01")  # a host not sampled keeps its vGPUs' clocks
         fleet.now += 10
-        assert tracker.update(collect_usage(ctl, fleet)) == []
+        assert below()["a1"].below_since == first["a1"].below_since
         fleet.broken.clear()
-        kept = {i.vm: i for i in tracker.update(collect_usage(ctl, fleet))}
+        kept = below()
         assert kept["a1"].idle and kept["a1"].below_since == first["a1"].below_since
-        fleet.a100.vgpus[0].sm = 50  # busy again: forgotten
-        assert tracker.update(collect_usage(ctl, fleet)) == []
+        fleet.a100.vgpus[0].sm = 50  # busy again: not below 5 % now, and the clock starts again after it
+        assert below() == {}
+        busy_at = fleet.now
         fleet.a100.vgpus[0].sm = 0
-        again = {i.vm: i for i in tracker.update(collect_usage(ctl, fleet))}
+        fleet.now += 5
+        again = below()
         assert not again["a1"].idle and again["a1"].below_since == fleet.now
+        assert busy_at < again["a1"].below_since
+        # a higher threshold, read from the same samples: 50 % was not below 60 %, so below since the start
+        loose = {i.vm: i for i in stored_usage(ctl, now=fleet.now).idle_vgpus(IdleRule(0.6, 600))}
+        assert loose["a1"].below_since == first["a1"].below_since and loose["a1"].idle
     finally:
         ctl.close()
 
@@ -266,10 +370,39 @@ def test_a_stopped_vm_holding_its_vgpu_counts_as_unused(store: Store) -> None:
     fleet.l40s.vgpus.clear()  # NVML lists only running vGPUs
     ctl = store.ctl()
     try:
-        got = {i.vm: i for i in IdleTracker(0.05, 0).update(collect_usage(ctl, fleet))}
+        fleet.round(ctl)
+        got = {i.vm: i for i in stored_usage(ctl).idle_vgpus(IdleRule(0.05, 0))}
     finally:
         ctl.close()
     assert got["g1"].why == "vm stopped" and got["g1"].utilization == 0.0 and got["g1"].idle
+
+
+def _brute_below_since(history: list[tuple[float, float]], threshold: float) -> float | None:
+    """Since when every sample of `history` ((time, busy), oldest first) has been below threshold."""
+    if history[-1][1] >= threshold:
+        return None
+    since = history[0][0]
+    for (_t, b), (t_next, _b) in pairwise(history):
+        if b >= threshold:
+            since = t_next
+    return since
+
+
+def test_marks_give_every_threshold_what_the_whole_history_gives() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @given(st.lists(st.integers(0, 100), min_size=1, max_size=60), st.integers(0, 101))
+    def check(percents: list[int], threshold: int) -> None:
+        marks: list[tuple[float, float | None]] = []
+        history = []
+        for n, p in enumerate(percents):
+            marks = add_mark(marks, p / 100, 10.0 * n)
+            history.append((10.0 * n, p / 100))
+        assert len(marks) <= 101
+        assert below_since(marks, 0.0, threshold / 100) == _brute_below_since(history, threshold / 100)
+
+    check()
 
 
 @pytest.mark.parametrize(("threshold", "idle_for", "field"), [
@@ -277,20 +410,20 @@ def test_a_stopped_vm_holding_its_vgpu_counts_as_unused(store: Store) -> None:
     (0.1, -1, "idle_for"), (0.1, float("inf"), "idle_for")])
 def test_a_bad_idle_setting_names_the_field(threshold: float, idle_for: float, field: str) -> None:
     with pytest.raises(InvalidInput, match=field) as err:
-        IdleTracker(threshold, idle_for)
+        IdleRule(threshold, idle_for)
     assert err.value.reasons[0]["field"] == field and err.value.exit_code == 2
 
 
 def test_bad_idle_environment_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VGPU_CTL_IDLE_THRESHOLD", "lots")
     with pytest.raises(InvalidInput, match="VGPU_CTL_IDLE_THRESHOLD"):
-        tracker_from_env()
+        rule_from_env()
     monkeypatch.setenv("VGPU_CTL_IDLE_THRESHOLD", "0.2")
     monkeypatch.setenv("VGPU_CTL_IDLE_FOR", "-5")
     with pytest.raises(InvalidInput, match="VGPU_CTL_IDLE_FOR"):
-        tracker_from_env()
+        rule_from_env()
     monkeypatch.setenv("VGPU_CTL_IDLE_FOR", "60")
-    t = tracker_from_env()
+    t = rule_from_env()
     assert (t.threshold, t.idle_for_s) == (0.2, 60.0)
 
 
@@ -298,21 +431,22 @@ def test_status_lists_idle_vgpus(store: Store) -> None:
     fleet = Fleet(store)
     ctl = store.ctl()
     try:
-        from vgpu_ctl.ops.utilization import idle_vgpus
-        out = idle_vgpus(ctl, IdleTracker(0.05, 0), fleet)
+        plain = fleet_status(ctl, idle=IdleRule(0.05, 0))  # nothing sampled yet
+        assert plain["idle"]["vgpus"] == [] and plain["idle"]["hosts"] == {}
+        fleet.round(ctl)
+        out = idle_vgpus(ctl, IdleRule(0.05, 0))
         assert [(v["vm"], v["tenant"], v["idle"]) for v in out["vgpus"]] == [("a1", "acme", True)]
-        assert out["threshold"] == 0.05 and set(out["hosts"]) == {"kvm-a100-01", "kvm-h100-01", "kvm-l40s-01"}
-        assert idle_vgpus(ctl, IdleTracker(0.05, 0), fleet, pool="training")["vgpus"] == []  # a1 is in inference
-        plain = fleet_status(ctl, idle=IdleTracker(0.05, 0))  # the demo's own (simulated) hosts: none sampled
-        assert plain["idle"]["vgpus"] == [] and set(plain["idle"]["hosts"].values()) == {
-            "simulated host: no GPUs to sample"}
+        assert out["threshold"] == 0.05 and out["hosts"] == dict.fromkeys(("kvm-a100-01", "kvm-h100-01",
+                                                                           "kvm-l40s-01"))
+        assert idle_vgpus(ctl, IdleRule(0.05, 0), pool="training")["vgpus"] == []  # a1 is in inference
+        assert [v["vm"] for v in fleet_status(ctl, idle=IdleRule(0.05, 0))["idle"]["vgpus"]] == ["a1"]
         assert "idle" not in fleet_status(ctl)
     finally:
         ctl.close()
     tenant = store.as_tenant("acme")
     try:
         with pytest.raises(PermissionDenied):
-            fleet_status(tenant, idle=IdleTracker())
+            fleet_status(tenant, idle=IdleRule())
     finally:
         tenant.close()
 
@@ -330,6 +464,23 @@ def test_status_cli_idle_and_a_bad_threshold(store: Store) -> None:
     assert json.loads(res.stdout)["idle"]["vgpus"] == []
     res = cli(store, "status", "--idle")
     assert res.exit_code == 0 and "Idle vGPUs" in res.stdout, res.output
+
+
+def test_metrics_sample_cli_keeps_a_round_and_refuses_a_bad_interval(store: Store) -> None:
+    from opsfixtures import cli
+    before = snapshot(store)
+    for bad in ("0", "-5", "nan"):
+        res = cli(store, "metrics", "sample", "--interval", bad)
+        assert res.exit_code == 2 and "interval" in res.output, res.output
+    assert snapshot(store) == before
+    res = cli(store, "metrics", "sample", "--json")  # the demo's hosts are simulated: nothing to keep
+    assert res.exit_code == 0 and json.loads(res.stdout) == {"hosts": 0, "gpu_loads": 0}, res.output
+    tenant = store.as_tenant("acme")
+    try:
+        with pytest.raises(PermissionDenied):
+            sample_round(tenant)
+    finally:
+        tenant.close()
 
 
 def test_measured_load_steers_spread_load_to_the_idle_gpu(store: Store) -> None:
@@ -361,24 +512,6 @@ def test_measured_load_steers_spread_load_to_the_idle_gpu(store: Store) -> None:
         assert spread is not None and loaded is not None
         assert spread.devices[0].gpu_id == ids["0000:41:00.0"]
         assert loaded.devices[0].gpu_id == ids["0000:81:00.0"]
-    finally:
-        ctl.close()
-
-
-def test_registries_made_per_scrape_share_the_idle_clock(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VGPU_CTL_IDLE_FOR", "600")
-    fleet = Fleet(store)
-    ctl = store.ctl()
-    try:
-        def scrape() -> dict[str, float]:
-            reg = CollectorRegistry(auto_describe=False)
-            reg.register(UtilizationCollector(ctl, fleet))  # a new registry each time, as the server's /metrics
-            fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
-            return {s.labels["vm"]: s.value for s in fams["vgpuctl_vgpu_idle"].samples}
-
-        assert scrape() == {"a1": 0.0}
-        fleet.now += 601
-        assert scrape() == {"a1": 1.0}
     finally:
         ctl.close()
 

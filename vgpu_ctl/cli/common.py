@@ -121,7 +121,7 @@ def remote() -> bool:
 
 # Commands that work on the store (or the host) of this machine only: refused with --server, exit 2.
 LOCAL_ONLY = {("init",), ("serve",), ("agent",), ("db",), ("plan",), ("advise",), ("host", "check"),
-              ("host", "discover"), ("metrics", "serve")}
+              ("host", "discover"), ("metrics", "serve"), ("metrics", "sample")}
 
 
 def local_only_error(path: Sequence[str], server: str) -> InvalidInput:

@@ -158,9 +158,9 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
                                       "--gpus)."),
            watch: float = typer.Option(None, "--watch", "-w", min=0.5, max=3600,
                                        help="Redraw every SECONDS until Ctrl-C (JSON/YAML: one document each time)."),
-           idle: bool = typer.Option(False, "--idle", help="Also sample the GPU hosts (NVML, admin) and list "
-                                     "allocated vGPUs below --idle-threshold; idle once below it for --idle-for "
-                                     "(seen across rounds of --watch)."),
+           idle: bool = typer.Option(False, "--idle", help="Also list allocated vGPUs below --idle-threshold in "
+                                     "the utilization samples the store keeps (admin or reader); idle once below "
+                                     "it for --idle-for."),
            idle_threshold: float = typer.Option(0.05, "--idle-threshold", help="With --idle: utilization ratio "
                                                 "below which a vGPU is unused (0.05 = 5 %)."),
            idle_for: float = typer.Option(1800.0, "--idle-for", help="With --idle: seconds below the threshold "
@@ -221,17 +221,18 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
 
 
 def _idle_tracker(idle: bool, threshold: float, idle_for: float) -> Any:
-    """The idle tracker of `status --idle` (None without it); InvalidInput naming the option for a bad value, or
-    for --idle against a server (the hosts are sampled from this process)."""
-    from vgpu_ctl.service.utilization import IdleTracker, check_idle_for, check_idle_threshold
+    """The idle rule of `status --idle` (None without it); InvalidInput naming the option for a bad value, or
+    for --idle against a server (the API does not serve the samples yet)."""
+    from vgpu_ctl.service.utilization import IdleRule, check_idle_for, check_idle_threshold
     check_idle_threshold(threshold, "idle_threshold")
     check_idle_for(idle_for, "idle_for")
     if not idle:
         return None
     if remote():
-        raise InvalidInput("status --idle samples the GPU hosts from this process; run it where the store is, "
-                           "not against a server (field idle)", reasons=[{"field": "idle", "value": True}])
-    return IdleTracker(threshold, idle_for)
+        raise InvalidInput("status --idle reads the store's utilization samples, which the API does not serve "
+                           "yet; run it where the store is, not against a server (field idle)",
+                           reasons=[{"field": "idle", "value": True}])
+    return IdleRule(threshold, idle_for)
 
 
 def _event_row(e: dict[str, Any], fmt: Output) -> list[str]:
@@ -346,6 +347,29 @@ def metrics_dump() -> None:
         return dump(c)
 
     print(run(False, text), end="")
+
+
+@metrics_app.command("sample")
+def metrics_sample(interval: float = typer.Option(60.0, "--interval", help="How often this is run, in seconds: "
+                                                  "a sample older than three intervals counts as stale."),
+                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
+    """Sample NVML on every GPU host once (through its agent) and keep it in the store, for the metrics, idle
+    vGPUs and spread-load pools (admin). `vgpuctl serve`'s leader does this every utilization_interval_s; this
+    is for a store without a server (a timer)."""
+    from vgpu_ctl.service.utilization_samples import check_interval
+    fmt = out_format(as_json, output)
+    with handled(fmt):
+        check_interval(interval, "interval")
+
+    def one(c: Any) -> dict[str, int]:
+        from vgpu_ctl.service.utilization_samples import sample_round
+        return sample_round(c, interval_s=interval)
+
+    out = run(fmt, one)
+    if machine(fmt):
+        emit(fmt, out)
+    else:
+        console.print(f"kept the samples of {out['hosts']} host(s), the loads of {out['gpu_loads']} GPU(s)")
 
 
 @metrics_app.command("serve")

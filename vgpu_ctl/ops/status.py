@@ -17,7 +17,7 @@ from vgpu_ctl.service.quotas import usage_report
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
-    from vgpu_ctl.service.utilization import IdleTracker
+    from vgpu_ctl.service.utilization import IdleRule
 
 FREE = "·"
 BLOCKS = ("█", "▓")
@@ -138,13 +138,13 @@ def _summary(conn: Connection, where: list[Any], host_where: list[Any]) -> dict[
 
 
 def fleet_status(ctl: Controller, pool: str | None = None, host: str | None = None, *, gpus: bool = True,
-                 limit: int | None = None, offset: int = 0, idle: IdleTracker | None = None) -> dict[str, Any]:
+                 limit: int | None = None, offset: int = 0, idle: IdleRule | None = None) -> dict[str, Any]:
     """`{"summary": {...}, "pools": [{"name", "gpus", "fits": {profile: n}}], "tenants": [{"name", "usage"}]}`,
     and with `gpus` the GPU rows, ordered by host and PCI address: `"gpus": [...]` (at most `limit` of them
     from `offset`; all without a limit) and `"page": {"offset", "limit", "total"}`.
     The summary counts hosts by state and GPUs by mode (in use, devices, free units) of the pool or host asked.
     A tenant caller sees what fits per pool and its own usage, but no summary and no GPUs (they show others'
-    devices). With `idle` (a tracker), `"idle"`: the allocated vGPUs below its threshold, sampled on the GPU hosts
+    devices). With `idle` (a rule), `"idle"`: the allocated vGPUs below its threshold in the samples the store keeps
     (ops.utilization.idle_vgpus; admin and readers). InvalidInput naming the field for a limit or offset out of
     range."""
     if limit is not None:
@@ -185,7 +185,7 @@ def fleet_status(ctl: Controller, pool: str | None = None, host: str | None = No
             out["page"] = {"offset": offset, "limit": limit, "total": total}
         out["pools"] = pool_fits(ctl, conn, pool_ids)
         out["tenants"] = _tenants(conn, ctl.principal.tenant_id)
-    if idle is not None:  # sampled on the GPU hosts, after the store's transaction (ops.utilization)
+    if idle is not None:  # the kept utilization samples (ops.utilization)
         from vgpu_ctl.ops.utilization import idle_vgpus
         out["idle"] = idle_vgpus(ctl, idle, pool=pool, host=host)
     return out

@@ -1,6 +1,8 @@
 """Prometheus metrics of what the GPUs really do (NVML on each GPU host, through the host agent), attributed to
 device (claim), VM, tenant and pool, and the idle-vGPU gauge. Registered next to the store collector
-(ops.metrics.registry_for).
+(ops.metrics.registry_for). A scrape reads what the last sampling round kept in the store
+(service.utilization_samples: the server's leader, or `vgpuctl metrics sample`) and calls no host, so every
+replica exports the same numbers; a host's sample older than a few intervals is stale: only its age is exported.
 
 Labels follow dcgm-exporter's, so panels can join its series: `gpu` (NVML index), `UUID` (the GPU's), `modelName`,
 `Hostname`, and for MIG `GPU_I_PROFILE` and `GPU_I_ID`; ours add `pool`, `tenant`, `vm`, `device` (the claim),
@@ -20,6 +22,7 @@ as Prometheus names want; DCGM's are percent and MiB):
 | vgpuctl_vgpu_utilization_ratio{engine}    | none per vGPU: DCGM_FI_DEV_GPU_UTIL / ENC_UTIL / DEC_UTIL are per GPU |
 | vgpuctl_vgpu_framebuffer_used_bytes       | DCGM_FI_DEV_FB_USED of a MIG device; none per vGPU |
 | vgpuctl_vgpu_idle                         | none                                            |
+| vgpuctl_utilization_sample_age_seconds    | none: the age of the host's kept sample         |
 
 A series NVML does not support on a GPU (utilization in MIG mode, power on some boards) is left out, not 0.
 """
@@ -27,7 +30,6 @@ A series NVML does not support on a GPU (utilization in MIG mode, power on some 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +40,12 @@ from vgpu_ctl.service.utilization import (
     DEFAULT_IDLE_FOR_S,
     DEFAULT_IDLE_THRESHOLD,
     FleetUsage,
-    IdleTracker,
+    IdleRule,
     IdleVgpu,
-    Sampler,
     check_idle_for,
     check_idle_threshold,
-    collect_usage,
 )
+from vgpu_ctl.service.utilization_samples import StoredUsage, stored_usage
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -82,41 +83,34 @@ def _env_float(name: str, default: float) -> float:
         raise InvalidInput(f"{name} must be a number, got {raw!r}", reasons=[{"field": name, "value": raw}]) from None
 
 
-def tracker_from_env() -> IdleTracker:
-    """The idle tracker configured by VGPU_CTL_IDLE_THRESHOLD and VGPU_CTL_IDLE_FOR (InvalidInput naming the
+def rule_from_env() -> IdleRule:
+    """The idle rule configured by VGPU_CTL_IDLE_THRESHOLD and VGPU_CTL_IDLE_FOR (InvalidInput naming the
     variable for a bad value)."""
     threshold = _env_float(THRESHOLD_ENV, DEFAULT_IDLE_THRESHOLD)
     idle_for = _env_float(IDLE_FOR_ENV, DEFAULT_IDLE_FOR_S)
-    return IdleTracker(check_idle_threshold(threshold, THRESHOLD_ENV), check_idle_for(idle_for, IDLE_FOR_ENV))
-
-
-_SHARED: dict[tuple[str, float, float], IdleTracker] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_tracker(store: str) -> IdleTracker:
-    """The idle tracker of this process for a store (configured from the environment): registries made per
-    request (the server's /metrics, metrics dump) share it, so the time below the threshold accumulates across
-    their scrapes as it does in one `metrics serve`."""
-    made = tracker_from_env()
-    key = (store, made.threshold, made.idle_for_s)
-    with _SHARED_LOCK:
-        return _SHARED.setdefault(key, made)
+    return IdleRule(check_idle_threshold(threshold, THRESHOLD_ENV), check_idle_for(idle_for, IDLE_FOR_ENV))
 
 
 def _s(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def usage_metrics(usage: FleetUsage, idle: list[IdleVgpu]) -> list[Metric]:
-    """The metric families of one round of samples and of the idle tracker's verdict."""
+def usage_metrics(stored: StoredUsage, idle: list[IdleVgpu]) -> list[Metric]:
+    """The metric families of the stored samples (current ones only; every one's age) and of the idle rule's
+    verdict on them."""
+    usage: FleetUsage = stored.usage
     out: list[Metric] = []
-    up = GaugeMetricFamily(f"{PREFIX}_utilization_host_up", "1 when the host's GPUs were sampled this scrape, "
-                           "0 when they could not be (agent unreachable, NVML missing).", labels=["Hostname"])
+    up = GaugeMetricFamily(f"{PREFIX}_utilization_host_up", "1 when the host's last sampling round read its GPUs "
+                           "and that sample is current; 0 when it could not (agent unreachable, NVML missing) or "
+                           "the sample is stale.", labels=["Hostname"])
     for host, why in sorted(usage.hosts.items()):
-        if why is None or not why.startswith("simulated"):
-            up.add_metric([host], 1.0 if why is None else 0.0)
-    out.append(up)
+        up.add_metric([host], 1.0 if why is None else 0.0)
+    age = GaugeMetricFamily(f"{PREFIX}_utilization_sample_age_seconds", "How old the host's kept sample is (the "
+                            "server's leader samples every utilization_interval_s; a sample older than three "
+                            "intervals is stale and its values are not exported).", labels=["Hostname"])
+    for host, seconds in sorted(stored.ages.items()):
+        age.add_metric([host], round(seconds, 3))
+    out += [up, age]
     for name, attr, doc in GPU_GAUGES:
         fam = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=GPU_LABELS)
         for g in usage.gpus:
@@ -150,42 +144,35 @@ def usage_metrics(usage: FleetUsage, idle: list[IdleVgpu]) -> list[Metric]:
     for i in idle:
         labels = [i.host, i.device, _s(i.profile), _s(i.vm), _s(i.tenant), _s(i.pool), i.why]
         idle_f.add_metric(labels, 1.0 if i.idle else 0.0)
-        since.add_metric(labels, max(0.0, usage.time - i.below_since))
+        since.add_metric(labels, max(0.0, i.at - i.below_since))
     out += [idle_f, since]
     return out
 
 
 class UtilizationCollector:
-    """A prometheus_client collector that samples the GPU hosts on each scrape and keeps the idle tracker."""
+    """A prometheus_client collector that reads the stored samples on each scrape (no host is called)."""
 
-    def __init__(self, ctl: Controller, sampler: Sampler | None = None, tracker: IdleTracker | None = None) -> None:
+    def __init__(self, ctl: Controller, rule: IdleRule | None = None) -> None:
         ctl.principal.require_reader("metrics")
         self.ctl = ctl
-        self.sampler = sampler
-        self.tracker = tracker if tracker is not None else shared_tracker(
-            ctl.engine.url.render_as_string(hide_password=True))
-        self._lock = threading.Lock()
+        self.rule = rule if rule is not None else rule_from_env()
 
     def collect(self) -> Iterator[Metric]:
-        """The utilization families, sampled now."""
-        with self._lock:
-            usage = collect_usage(self.ctl, self.sampler)
-            with self.tracker.lock:
-                idle = self.tracker.update(usage)
-            yield from usage_metrics(usage, idle)
+        """The utilization families, from the store."""
+        stored = stored_usage(self.ctl)
+        yield from usage_metrics(stored, stored.idle_vgpus(self.rule))
 
     def describe(self) -> list[Metric]:
-        """Nothing up front: sampling happens on scrapes only."""
+        """Nothing up front: the families are only known after a scrape."""
         return []
 
 
-def idle_vgpus(ctl: Controller, tracker: IdleTracker, sampler: Sampler | None = None,
-               pool: str | None = None, host: str | None = None) -> dict[str, Any]:
-    """One round of samples through `tracker` (admin or reader): `{"threshold", "idle_for_s", "vgpus": [...],
-    "hosts": {host: null or why not sampled}}`, the vGPUs below the threshold now (each with `idle`: below it
-    for idle_for), of the pool or host asked. A tracker kept across calls (status --watch) sees idleness grow."""
-    usage = collect_usage(ctl, sampler, None if host is None else [host])
-    rows = [i for i in tracker.update(usage) if pool is None or i.pool == pool]
-    return {"threshold": tracker.threshold, "idle_for_s": tracker.idle_for_s,
-            "vgpus": [{**i.to_dict(), "below_for_s": round(max(0.0, usage.time - i.below_since), 3)} for i in rows],
-            "hosts": usage.hosts}
+def idle_vgpus(ctl: Controller, rule: IdleRule, pool: str | None = None, host: str | None = None,
+               now: float | None = None) -> dict[str, Any]:
+    """The allocated vGPUs below the rule's threshold in the stored samples (admin or reader), of the pool or host
+    asked: `{"threshold", "idle_for_s", "vgpus": [...], "hosts": {host: null or why its sample is not current}}`,
+    each vGPU with `idle` (below the threshold for idle_for) and `below_for_s`."""
+    stored = stored_usage(ctl, now, None if host is None else [host])
+    rows = [i for i in stored.idle_vgpus(rule) if pool is None or i.pool == pool]
+    return {"threshold": rule.threshold, "idle_for_s": rule.idle_for_s, "vgpus": [i.to_dict() for i in rows],
+            "hosts": stored.usage.hosts}

@@ -163,8 +163,9 @@ class Runtime:
             self._stop.wait(self.cfg.recovery_interval_s)
 
     def _utilization_loop(self) -> None:
-        """While this replica leads, sample NVML on the hosts every utilization_interval_s and keep each GPU's
-        load for spread-load pools (its own thread: an unreachable host must not hold up the other loops)."""
+        """While this replica leads, sample NVML on the hosts every utilization_interval_s and keep the samples
+        (what every replica's /metrics reads) and each GPU's load for spread-load pools (its own thread: an
+        unreachable host must not hold up the other loops)."""
         every = self.cfg.utilization_interval_s
         if every <= 0:
             return
@@ -172,9 +173,9 @@ class Runtime:
             if not (self.leading and self._accepting):
                 continue
             try:
-                from vgpu_ctl.service.utilization import record_loads
+                from vgpu_ctl.service.utilization_samples import sample_round
                 self.stats.utilization_samples += 1
-                self.stats.gpu_loads_recorded = record_loads(self.server)
+                self.stats.gpu_loads_recorded = sample_round(self.server, interval_s=every)["gpu_loads"]
             except Exception:
                 self.stats.utilization_errors += 1
                 log.warning("sampling GPU utilization failed", exc_info=True)

@@ -9,7 +9,6 @@ whose handle names its GPU-instance id.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -293,9 +292,46 @@ def load_by_gpu(usage: FleetUsage) -> dict[int, float]:
     return out
 
 
+# An allocated vGPU's idle marks: (busiest, when the judged sample after it was taken; None: the latest), oldest
+# first, busiest strictly falling: the samples no later one was as busy as. From them, for any threshold, since
+# when the vGPU has been below it (`below_since`); NVML's percent steps keep them to at most 101.
+Marks = list[tuple[float, float | None]]
+
+
+def add_mark(marks: Marks, busy: float, at: float) -> Marks:
+    """The marks after a judged sample (`busy`, 0..1, taken at `at`): the previous latest learns when the next
+    sample came, and every mark no busier than this one goes."""
+    dated = [(b, at if nxt is None else nxt) for b, nxt in marks]
+    return [*[(b, nxt) for b, nxt in dated if b > busy], (busy, None)]
+
+
+def below_since(marks: Marks, first_at: float, threshold: float) -> float | None:
+    """Since when the vGPU has been below `threshold` in every judged sample (`first_at`: its first judged one,
+    when none reached the threshold); None when its latest sample is not below it."""
+    if not marks or marks[-1][0] >= threshold:
+        return None
+    for b, nxt in reversed(marks):
+        if b >= threshold:
+            return nxt
+    return first_at
+
+
+@dataclass(frozen=True)
+class IdleRule:
+    """When an allocated vGPU is idle: its busiest engine below `threshold` for `idle_for_s` seconds of samples.
+    InvalidInput naming the field for a bad value."""
+
+    threshold: float = DEFAULT_IDLE_THRESHOLD
+    idle_for_s: float = DEFAULT_IDLE_FOR_S
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "threshold", check_idle_threshold(self.threshold))
+        object.__setattr__(self, "idle_for_s", check_idle_for(self.idle_for_s))
+
+
 @dataclass
 class IdleVgpu:
-    """An allocated vGPU and how long it has been below the threshold."""
+    """An allocated vGPU below the threshold in its latest sample, and how long it has been."""
 
     device: str
     host: str
@@ -304,54 +340,30 @@ class IdleVgpu:
     vm: str | None
     tenant: str | None
     pool: str | None
-    utilization: float  # its busiest engine now (0 for a VM that is not running)
-    below_since: float  # when it was first seen below the threshold (epoch seconds)
+    utilization: float  # its busiest engine in the latest sample (0 for a VM that is not running)
+    below_since: float  # when the samples went below the threshold and stayed (epoch seconds)
+    at: float  # when its latest sample was taken
     idle: bool  # below the threshold for at least idle_for
     why: str  # "utilization" or "vm <state>"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return dict(self.__dict__)
+        """JSON form, with `below_for_s`."""
+        return {**self.__dict__, "below_for_s": round(max(0.0, self.at - self.below_since), 3)}
 
 
-class IdleTracker:
-    """Remembers, across rounds of samples, since when each allocated vGPU has been below a utilization
-    threshold; a vGPU below it for `idle_for_s` seconds is idle. The memory is this object's: a long-running
-    exporter (metrics serve, status --watch) keeps one; a single round can only see idleness with idle_for 0."""
-
-    def __init__(self, threshold: float = DEFAULT_IDLE_THRESHOLD, idle_for_s: float = DEFAULT_IDLE_FOR_S) -> None:
-        self.threshold = check_idle_threshold(threshold)
-        self.idle_for_s = check_idle_for(idle_for_s)
-        self._since: dict[str, tuple[str, float]] = {}  # device -> (host, below since)
-        self.lock = threading.Lock()  # held by callers that share one tracker between threads
-
-    def update(self, usage: FleetUsage) -> list[IdleVgpu]:
-        """Feed one round; the allocated vGPUs below the threshold now, each with since when and whether idle.
-        A vGPU the store does not know is never idle (nothing to free); one NVML gives no utilization for is
-        not judged; one of a VM that is not running counts as unused."""
-        now = usage.time
-        below: dict[str, tuple[VgpuUsage, float, str]] = {}
-        for v in usage.vgpus:
-            b = v.busiest
-            if v.device is not None and b is not None and b < self.threshold:
-                below[v.device] = (v, b, "utilization")
-        for device, (vm_state, v) in usage.unseen.items():
-            if vm_state != "running":
-                below[device] = (v, 0.0, f"vm {vm_state}")
-        sampled = {h for h, why in usage.hosts.items() if why is None} | {v.host for v in usage.vgpus}
-        # forget what went busy or went away on a sampled host; keep what sits on hosts not sampled this round
-        self._since = {d: (h, t) for d, (h, t) in self._since.items() if d in below or h not in sampled}
-        out = []
-        for device, (v, b, why) in sorted(below.items()):
-            _host, since = self._since.setdefault(device, (v.host, now))
-            out.append(IdleVgpu(device, v.host, v.gpu_pci, v.profile, v.vm, v.tenant, v.pool, b, since,
-                                now - since >= self.idle_for_s, why))
-        return out
-
-
-def record_loads(ctl: Controller, sampler: Sampler | None = None) -> int:
-    """Sample every host now and keep each GPU's measured load for the spread-load policy; how many GPUs."""
-    return ctl.record_gpu_loads(load_by_gpu(collect_usage(ctl, sampler)))
+def judged(usage: FleetUsage) -> dict[str, tuple[VgpuUsage, float, str]]:
+    """The allocated vGPUs this round can judge: device -> (its sample, busiest engine, why). A vGPU the store does
+    not know is never judged (nothing to free), nor one NVML gives no utilization for; one of a VM that is not
+    running counts as unused (0)."""
+    out: dict[str, tuple[VgpuUsage, float, str]] = {}
+    for v in usage.vgpus:
+        b = v.busiest
+        if v.device is not None and b is not None:
+            out[v.device] = (v, b, "utilization")
+    for device, (vm_state, v) in usage.unseen.items():
+        if vm_state != "running":
+            out[device] = (v, 0.0, f"vm {vm_state}")
+    return out
 
 
 def spread_load_policy(usage: FleetUsage) -> Policy:

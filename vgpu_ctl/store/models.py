@@ -458,6 +458,24 @@ class GpuLoad(SQLModel, table=True):
     sampled_at: datetime = Field(default_factory=utcnow)
 
 
+class UtilizationSample(SQLModel, table=True):
+    """A GPU host's last NVML sample, as the server's leader took it on its interval (service.utilization_samples):
+    `sample` holds each GPU's, vGPU's and MIG instance's values already attributed to device (claim), VM, tenant
+    and pool, and each allocated vGPU's idle marks; `sampled_at` is when it was taken, `attempted_at` and `error`
+    the last try (a failed try keeps the sample before it). Every replica's /metrics reads it; a sample older
+    than a few `interval_s` is stale. Gone with its host."""
+
+    __tablename__ = "utilization_sample"
+    __table_args__ = (CheckConstraint("interval_s > 0", name="utilization_sample_interval_pos"),)
+
+    host_id: int = Field(primary_key=True, foreign_key="host.id", ondelete="CASCADE")
+    attempted_at: datetime
+    sampled_at: datetime | None = None
+    error: str | None = None
+    interval_s: float
+    sample: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+
 
 class FitBit(SQLModel, table=True):
     """The bits of a fit mask (core.geometry.FIT_BITS rows, written by migration 0009): what lets SQL split a mask."""
