@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-from sqlalchemy import select
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from vgpu_ctl.errors import InvalidInput, PermissionDenied
 from vgpu_ctl.planning.fleet import Fleet, PlanGpu, PlanHost
-from vgpu_ctl.service.allocation import GPU, HOST, occupancy_of
+from vgpu_ctl.service.allocation import occupancy_of
+from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.store.engine import default_url
-from vgpu_ctl.store.models import Pool
-from vgpu_ctl.store.urls import shown
+from vgpu_ctl.store.unit import StoreError
+from vgpu_ctl.store.urls import masked, missing_sqlite_file, shown
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
-
-POOL = Pool.__table__  # type: ignore[attr-defined]
 
 
 def require_store(url: str | None) -> None:
     """InvalidInput when `url` (None: the default store) is a SQLite file that does not exist: opening it would
     create an empty store, and planning must leave no trace."""
     text = url or default_url()
-    try:
-        parsed = make_url(text)
-    except ArgumentError:
-        return  # the Controller names what is wrong with the URL
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:") and \
-            not Path(parsed.database).exists():
+    if missing_sqlite_file(text):
         raise InvalidInput(f"--db {shown(text)}: no store there (field db): --from-store plans on an existing store "
                            "(vgpuctl init, then inventory apply)", reasons=[{"field": "db", "value": shown(text)}])
 
@@ -44,7 +33,7 @@ def fleet_snapshot(ctl: Controller) -> Fleet:
                                "run it")
     try:
         return _read(ctl)
-    except SQLAlchemyError as exc:
+    except StoreError as exc:
         detail = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InvalidInput(f"the store can't be read for planning: {detail} (has `vgpuctl init` been run?)",
                            reasons=[{"field": "db", "error": detail}]) from None
@@ -52,15 +41,16 @@ def fleet_snapshot(ctl: Controller) -> Fleet:
 
 def _read(ctl: Controller) -> Fleet:
     with ctl.engine.connect() as conn:
-        pools = {r.id: r.name for r in conn.execute(select(POOL.c.id, POOL.c.name))}
-        gpus: dict[int, list[PlanGpu]] = {}
-        for g in conn.execute(select(GPU).order_by(GPU.c.host_id, GPU.c.pci_address)).mappings():
-            gpus.setdefault(g["host_id"], []).append(
-                PlanGpu(g["pci_address"], g["model"], pools.get(g["pool_id"]), occupancy_of(ctl.catalog, g)))
-        hosts = []
-        for h in conn.execute(select(HOST).order_by(HOST.c.name)).mappings():
-            vcpus = h["vcpus"] * h["cpu_overcommit"]
-            memory = h["memory_mib"] * h["memory_overcommit"]
-            hosts.append(PlanHost(h["name"], vcpus, memory, vcpus - h["used_vcpus"], memory - h["used_memory_mib"],
-                                  tuple(gpus.get(h["id"], ())), h["state"], dict(h["labels"] or {})))
-    return Fleet(tuple(hosts), f"store {ctl.engine.url.render_as_string(hide_password=True)}")
+        rows = STORE.fleet.fleet_rows(conn)
+    gpus: dict[int, list[PlanGpu]] = {}
+    for g in rows.gpus:
+        gpus.setdefault(g.host_id, []).append(
+            PlanGpu(g.pci_address, g.model, rows.pools.get(g.pool_id) if g.pool_id is not None else None,
+                    occupancy_of(ctl.catalog, g.occupancy_row())))
+    hosts = []
+    for h in rows.hosts:
+        vcpus = h.vcpus * h.cpu_overcommit
+        memory = h.memory_mib * h.memory_overcommit
+        hosts.append(PlanHost(h.name, vcpus, memory, vcpus - h.used_vcpus, memory - h.used_memory_mib,
+                              tuple(gpus.get(h.id, ())), h.state, dict(h.labels or {})))
+    return Fleet(tuple(hosts), f"store {masked(ctl.engine.url)}")

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.fleet import FleetRows
 from vgpu_ctl.store.hosts import HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.leader_lease import LeaderLease
@@ -44,6 +45,13 @@ class EventStore(Protocol):
     def add_event(self, tx: Tx, actor: str, action: str, target: str, tenant: str | None,
                   params: dict[str, Any], result: str, error: str | None) -> None:
         """Write one audit event."""
+
+
+class FleetStore(Protocol):
+    """The whole fleet, read at once (planning)."""
+
+    def fleet_rows(self, tx: Tx) -> FleetRows:
+        """Every pool, GPU and host."""
 
 
 class HostStore(Protocol):
@@ -171,6 +179,10 @@ class Store(Protocol):
         """The audit trail."""
 
     @property
+    def fleet(self) -> FleetStore:
+        """The fleet."""
+
+    @property
     def hosts(self) -> HostStore:
         """Hosts."""
 
@@ -198,6 +210,6 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store",
+    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store",
     "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from vgpu_ctl.store import events, hosts, idempotency, leader_lease, operations, tenants, tokens, vms
+from vgpu_ctl.store import events, fleet, hosts, idempotency, leader_lease, operations, tenants, tokens, vms
 
 
 class SqlStore:
@@ -15,6 +15,7 @@ class SqlStore:
 
     tokens: Final = tokens
     events: Final = events
+    fleet: Final = fleet
     hosts: Final = hosts
     idempotency: Final = idempotency
     leader_lease: Final = leader_lease

@@ -8,6 +8,7 @@ from sqlalchemy import Table
 from vgpu_ctl.store.models import (
     ApiToken,
     Event,
+    Gpu,
     Host,
     IdempotentRequest,
     Operation,
@@ -19,6 +20,7 @@ from vgpu_ctl.store.models import (
 
 API_TOKEN: Table = ApiToken.__table__  # type: ignore[attr-defined]
 EVENT: Table = Event.__table__  # type: ignore[attr-defined]
+GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
 HOST: Table = Host.__table__  # type: ignore[attr-defined]
 IDEMPOTENT: Table = IdempotentRequest.__table__  # type: ignore[attr-defined]
 OPERATION: Table = Operation.__table__  # type: ignore[attr-defined]

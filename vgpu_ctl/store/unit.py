@@ -7,9 +7,12 @@ from __future__ import annotations
 from typing import TypeAlias
 
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
 from vgpu_ctl.store.models import utcnow as utcnow  # the store's clock (aware UTC), for times the service sets
 
 Tx: TypeAlias = Connection
+StoreError: TypeAlias = SQLAlchemyError  # what the store raises when it can't be read or written
 
-__all__ = ["Tx", "utcnow"]
+
+__all__ = ["StoreError", "Tx", "utcnow"]

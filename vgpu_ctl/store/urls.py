@@ -3,6 +3,7 @@ opened (the URL with its password masked, the accepted forms), for the CLI and t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TypeAlias
 
 from sqlalchemy.engine import URL, make_url
@@ -56,6 +57,16 @@ def store_error(url: str, exc: BaseException) -> InvalidInput:
     detail = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
     return InvalidInput(f"--db {shown(url)}: can't open the store: {detail} (accepted forms: {URL_FORMS})",
                         reasons=[{"field": "db", "value": shown(url), "error": detail}])
+
+
+def missing_sqlite_file(url: str) -> bool:
+    """True when `url` names a SQLite file store whose file does not exist (a URL that does not parse is
+    not one: the store's own check names what is wrong with it)."""
+    try:
+        file = sqlite_file(url)
+    except ArgumentError:
+        return False
+    return file is not None and not Path(file).exists()
 
 
 def sqlite_file(url: str | StoreUrl) -> str | None:
