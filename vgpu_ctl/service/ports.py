@@ -14,6 +14,7 @@ from vgpu_ctl.store.hosts import HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.operations import OperationLease, OperationRow
+from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
 from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
@@ -142,6 +143,54 @@ class OperationStore(Protocol):
         """Operations per state."""
 
 
+class QuotaStore(Protocol):
+    """Tenants' limits, guarantees and usage; hosts' used capacity; what allocations hold."""
+
+    def allocated(self, tx: Tx, tenant_id: int, scope: str, states: Collection[str]) -> dict[str, int]:
+        """What the tenant's VMs in `states` hold (all pools, or one)."""
+
+    def tenant_quota(self, tx: Tx, tenant_id: int) -> TenantQuota:
+        """The tenant's global usage, limits and guarantees."""
+
+    def tenant_refs(self, tx: Tx) -> list[tuple[int, str]]:
+        """Every tenant's (id, name), by id."""
+
+    def lock_tenant(self, tx: Tx, tenant_id: int) -> None:
+        """Lock the tenant's row for the transaction."""
+
+    def set_tenant_columns(self, tx: Tx, tenant_id: int, values: dict[str, Any]) -> None:
+        """Set usage, limit or guarantee columns of the tenant."""
+
+    def scoped_rows(self, tx: Tx, tenant_id: int, scope: str | None = None, *,
+                    by_id: bool = False) -> list[ScopedRow]:
+        """The tenant's scoped limits."""
+
+    def put_scoped(self, tx: Tx, tenant_id: int, scope: str, resource: str, used: int,
+                   values: dict[str, Any]) -> None:
+        """Set (or add) a scoped limit."""
+
+    def drop_scoped(self, tx: Tx, tenant_id: int, scope: str, resource: str) -> None:
+        """Delete a scoped limit."""
+
+    def set_scoped_used(self, tx: Tx, row_id: int, used: int) -> None:
+        """Set a scoped limit's usage."""
+
+    def refresh_has_scoped(self, tx: Tx, tenant_id: int) -> None:
+        """Record whether the tenant has scoped limits."""
+
+    def host_refs(self, tx: Tx) -> list[tuple[int, str]]:
+        """Every host's (id, name), by id."""
+
+    def lock_host_usage(self, tx: Tx, host_id: int) -> tuple[int, int]:
+        """Lock the host's row; its used vCPUs and memory."""
+
+    def host_allocated(self, tx: Tx, host_id: int, states: Collection[str]) -> tuple[int, int]:
+        """The vCPUs and memory the host's VMs in `states` hold."""
+
+    def set_host_used(self, tx: Tx, host_id: int, values: dict[str, int]) -> None:
+        """Set the host's used capacity."""
+
+
 class TenantStore(Protocol):
     """Tenants."""
 
@@ -199,6 +248,10 @@ class Store(Protocol):
         """Operations."""
 
     @property
+    def quotas(self) -> QuotaStore:
+        """Quotas and usage."""
+
+    @property
     def tenants(self) -> TenantStore:
         """Tenants."""
 
@@ -210,6 +263,6 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore", "Store",
-    "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
+    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore",
+    "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
 ]

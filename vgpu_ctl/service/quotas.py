@@ -5,35 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Table, func, select
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.vm_state import HOLDS_CLAIM
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
-from vgpu_ctl.service.allocation import DEVICE, GUARANTEED, HOST, SCOPED, TENANT
+from vgpu_ctl.service.allocation import GUARANTEED
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import BASE_RESOURCES
-from vgpu_ctl.store.models import Pool, Vm
-
-VM: Table = Vm.__table__  # type: ignore[attr-defined]
-POOL: Table = Pool.__table__  # type: ignore[attr-defined]
+from vgpu_ctl.store.tables import POOL as POOL  # re-exported for the modules that still import them from here
+from vgpu_ctl.store.tables import VM as VM
 
 
-def allocated(conn: Connection, tenant_id: int, scope: str = "*") -> dict[str, int]:
+def allocated(conn: Tx, tenant_id: int, scope: str = "*") -> dict[str, int]:
     """What a tenant's VMs hold, summed from the VMs and devices themselves (all pools, or one)."""
-    vm_where = [VM.c.tenant_id == tenant_id, VM.c.state.in_(HOLDS_CLAIM)]
-    if scope != "*":
-        vm_where.append(VM.c.pool_id == select(POOL.c.id).where(POOL.c.name == scope).scalar_subquery())
-    vms, vcpus, mem = conn.execute(select(func.count(), func.coalesce(func.sum(VM.c.vcpus), 0),
-                                          func.coalesce(func.sum(VM.c.memory_mib), 0)).where(*vm_where)).one()
-    dev_rows = conn.execute(select(DEVICE.c.profile, func.count(), func.coalesce(func.sum(DEVICE.c.framebuffer_mib), 0))
-                            .join(VM, VM.c.id == DEVICE.c.vm_id).where(*vm_where)
-                            .group_by(DEVICE.c.profile)).all()
-    out = {"vms": vms, "vcpus": vcpus, "memory_mib": mem,
-           "vgpus": sum(r[1] for r in dev_rows), "framebuffer_mib": sum(r[2] for r in dev_rows)}
-    for profile, n, _fb in dev_rows:
-        out[f"profile:{profile}"] = n
-    return {k: int(v) for k, v in out.items()}
+    return STORE.quotas.allocated(conn, tenant_id, scope, HOLDS_CLAIM)
 
 
 def _field(resource: str) -> str:
@@ -41,7 +25,7 @@ def _field(resource: str) -> str:
     return f"guarantee_{resource}"
 
 
-def check_guarantees(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str, int | None],
+def check_guarantees(conn: Tx, tenant_id: int, scope: str, limits: Mapping[str, int | None],
                      guarantees: Mapping[str, int | None]) -> None:
     """InvalidInput naming the field, before anything changes, for a guarantee of an unknown or profile resource,
     one that is not a whole number >= 0, one above its limit (as it will be after this change), or one in a pool
@@ -52,14 +36,13 @@ def check_guarantees(conn: Connection, tenant_id: int, scope: str, limits: Mappi
                                reasons=[{"field": "guarantee", "value": resource}])
         if value is not None:
             check_int(_field(resource), value)
-    t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
-    scoped = {r.resource: r for r in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id,
-                                                                         SCOPED.c.scope == scope))}
+    t = STORE.quotas.tenant_quota(conn, tenant_id)
+    scoped = {r.resource: r for r in STORE.quotas.scoped_rows(conn, tenant_id, scope)}
     for resource in GUARANTEED:
         if resource not in limits and resource not in guarantees:
             continue
         if scope == "*":
-            limit, guarantee = t[f"{resource}_limit"], t[f"{resource}_guarantee"]
+            limit, guarantee = t.limits[resource], t.guarantees[resource]
         else:
             row = scoped.get(resource)
             limit, guarantee = (row.limit_value, row.guarantee) if row is not None else (None, None)
@@ -79,7 +62,7 @@ def check_guarantees(conn: Connection, tenant_id: int, scope: str, limits: Mappi
                                          "guarantee": guarantee, "limit": limit}])
 
 
-def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str, int | None],
+def set_limits(conn: Tx, tenant_id: int, scope: str, limits: Mapping[str, int | None],
                guarantees: Mapping[str, int | None] | None = None) -> dict[str, Any]:
     """Set (int) or clear (None) limits, and the guaranteed part of them (`guarantees`, by resource: usage above
     a guarantee is borrowed), of a tenant in a scope ('*' or a pool name); the changes made (guarantees as
@@ -92,7 +75,7 @@ def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str
                                "profile:NAME", reasons=[{"field": "resource", "value": resource}])
         if value is not None:
             check_int(resource, value)
-    conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(vms_used=TENANT.c.vms_used))
+    STORE.quotas.lock_tenant(conn, tenant_id)
     check_guarantees(conn, tenant_id, scope, limits, guarantees)
     usage = allocated(conn, tenant_id, scope)
     changes: dict[str, Any] = {}
@@ -105,56 +88,47 @@ def set_limits(conn: Connection, tenant_id: int, scope: str, limits: Mapping[str
             values["guarantee"] = guarantees[resource]
             changes[f"guarantee:{resource}"] = guarantees[resource]
         if scope == "*" and resource in BASE_RESOURCES:
-            conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(
-                **{f"{resource}_{'limit' if k == 'limit_value' else 'guarantee'}": v for k, v in values.items()}))
-            continue
-        where = (SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope, SCOPED.c.resource == resource)
-        if values.get("limit_value", 0) is None:  # the limit cleared: its guarantee goes with it (checked above)
-            conn.execute(SCOPED.delete().where(*where))
-        elif conn.execute(select(SCOPED.c.id).where(*where)).first() is not None:
-            conn.execute(SCOPED.update().where(*where).values(used=usage.get(resource, 0), **values))
-        elif "limit_value" in values:  # (a guarantee cleared where no row is: nothing to do)
-            conn.execute(SCOPED.insert().values(tenant_id=tenant_id, scope=scope, resource=resource,
-                                                used=usage.get(resource, 0), **values))
-    has_scoped = conn.execute(select(func.count()).select_from(SCOPED).where(SCOPED.c.tenant_id == tenant_id)).scalar()
-    conn.execute(TENANT.update().where(TENANT.c.id == tenant_id).values(has_scoped_limits=bool(has_scoped)))
+            STORE.quotas.set_tenant_columns(conn, tenant_id, {
+                f"{resource}_{'limit' if k == 'limit_value' else 'guarantee'}": v for k, v in values.items()})
+        elif values.get("limit_value", 0) is None:  # the limit cleared: its guarantee goes with it (checked above)
+            STORE.quotas.drop_scoped(conn, tenant_id, scope, resource)
+        else:
+            STORE.quotas.put_scoped(conn, tenant_id, scope, resource, usage.get(resource, 0), values)
+    STORE.quotas.refresh_has_scoped(conn, tenant_id)
     return changes
 
 
-def repair_usage(conn: Connection) -> list[dict[str, Any]]:
+def repair_usage(conn: Tx) -> list[dict[str, Any]]:
     """Set every stored usage that differs from what allocations hold to what they hold (inside the caller's
     transaction): tenants' global usage, their per-pool and per-profile rows, hosts' vCPUs and memory; the
     changes, each with the object, resource, stored and allocated values. Each tenant and host row is locked
     (by a no-op update) before its allocations are summed, in the order claims lock them."""
+    q = STORE.quotas
     changes: list[dict[str, Any]] = []
-    for t_id, name in conn.execute(select(TENANT.c.id, TENANT.c.name).order_by(TENANT.c.id)).all():
-        conn.execute(TENANT.update().where(TENANT.c.id == t_id).values(vms_used=TENANT.c.vms_used))
-        t = conn.execute(select(TENANT).where(TENANT.c.id == t_id)).one()._mapping
+    for t_id, name in q.tenant_refs(conn):
+        q.lock_tenant(conn, t_id)
+        t = q.tenant_quota(conn, t_id)
         actual = allocated(conn, t_id)
-        fixed = {f"{r}_used": actual[r] for r in BASE_RESOURCES if t[f"{r}_used"] != actual[r]}
-        changes += [{"object": f"tenant {name}", "resource": k.removesuffix("_used"), "stored": t[k],
-                     "allocated": v} for k, v in fixed.items()]
+        fixed = {r: actual[r] for r in BASE_RESOURCES if t.used[r] != actual[r]}
+        changes += [{"object": f"tenant {name}", "resource": r, "stored": t.used[r], "allocated": v}
+                    for r, v in fixed.items()]
         if fixed:
-            conn.execute(TENANT.update().where(TENANT.c.id == t_id).values(**fixed))
-        for row in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == t_id).order_by(SCOPED.c.id)).all():
+            q.set_tenant_columns(conn, t_id, {f"{r}_used": v for r, v in fixed.items()})
+        for row in q.scoped_rows(conn, t_id, by_id=True):
             held = allocated(conn, t_id, row.scope).get(row.resource, 0)
             if row.used != held:
                 where = "all pools" if row.scope == "*" else f"pool {row.scope}"
                 changes.append({"object": f"tenant {name}", "resource": f"{row.resource} in {where}",
                                 "stored": row.used, "allocated": held})
-                conn.execute(SCOPED.update().where(SCOPED.c.id == row.id).values(used=held))
-    for h_id, name in conn.execute(select(HOST.c.id, HOST.c.name).order_by(HOST.c.id)).all():
-        conn.execute(HOST.update().where(HOST.c.id == h_id).values(used_vcpus=HOST.c.used_vcpus))
-        h = conn.execute(select(HOST.c.used_vcpus, HOST.c.used_memory_mib).where(HOST.c.id == h_id)).one()
-        vcpus, mem = conn.execute(select(func.coalesce(func.sum(VM.c.vcpus), 0),
-                                         func.coalesce(func.sum(VM.c.memory_mib), 0))
-                                  .where(VM.c.host_id == h_id, VM.c.state.in_(HOLDS_CLAIM))).one()
-        fixed = {c: int(v) for c, v, stored in (("used_vcpus", vcpus, h.used_vcpus),
-                                                 ("used_memory_mib", mem, h.used_memory_mib)) if stored != v}
-        changes += [{"object": f"host {name}", "resource": k.removeprefix("used_"),
-                     "stored": getattr(h, k), "allocated": v} for k, v in fixed.items()]
-        if fixed:
-            conn.execute(HOST.update().where(HOST.c.id == h_id).values(**fixed))
+                q.set_scoped_used(conn, row.id, held)
+    for h_id, name in q.host_refs(conn):
+        stored = dict(zip(("used_vcpus", "used_memory_mib"), q.lock_host_usage(conn, h_id), strict=True))
+        holds = dict(zip(("used_vcpus", "used_memory_mib"), q.host_allocated(conn, h_id, HOLDS_CLAIM), strict=True))
+        fixed_host = {c: v for c, v in holds.items() if stored[c] != v}
+        changes += [{"object": f"host {name}", "resource": k.removeprefix("used_"), "stored": stored[k],
+                     "allocated": v} for k, v in fixed_host.items()]
+        if fixed_host:
+            q.set_host_used(conn, h_id, fixed_host)
     return changes
 
 
@@ -162,18 +136,16 @@ def _borrowed(used: int, guarantee: int | None) -> int | None:
     return None if guarantee is None else max(0, used - guarantee)
 
 
-def usage_report(conn: Connection, tenant_id: int) -> list[dict[str, Any]]:
+def usage_report(conn: Tx, tenant_id: int) -> list[dict[str, Any]]:
     """Each limit of a tenant (and each base resource, limited or not) with its usage, its guaranteed part (None:
     none) and how much of the usage is borrowed (above the guarantee; None without one)."""
-    t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
+    t = STORE.quotas.tenant_quota(conn, tenant_id)
     actual = allocated(conn, tenant_id)
-    rows = [{"scope": "*", "resource": r, "used": t[f"{r}_used"], "limit": t[f"{r}_limit"],
-             "guarantee": t[f"{r}_guarantee"], "borrowed": _borrowed(t[f"{r}_used"], t[f"{r}_guarantee"])}
-            for r in BASE_RESOURCES]
+    rows = [{"scope": "*", "resource": r, "used": t.used[r], "limit": t.limits[r], "guarantee": t.guarantees[r],
+             "borrowed": _borrowed(t.used[r], t.guarantees[r])} for r in BASE_RESOURCES]
     rows += [{"scope": "*", "resource": k, "used": v, "limit": None, "guarantee": None, "borrowed": None}
              for k, v in sorted(actual.items()) if k.startswith("profile:")]
-    for r in conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id)
-                          .order_by(SCOPED.c.scope, SCOPED.c.resource)).all():
+    for r in STORE.quotas.scoped_rows(conn, tenant_id):
         existing = next((x for x in rows if x["scope"] == r.scope and x["resource"] == r.resource), None)
         row = {"used": r.used, "limit": r.limit_value, "guarantee": r.guarantee,
                "borrowed": _borrowed(r.used, r.guarantee)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from vgpu_ctl.store import events, fleet, hosts, idempotency, leader_lease, operations, tenants, tokens, vms
+from vgpu_ctl.store import events, fleet, hosts, idempotency, leader_lease, operations, quotas, tenants, tokens, vms
 
 
 class SqlStore:
@@ -20,6 +20,7 @@ class SqlStore:
     idempotency: Final = idempotency
     leader_lease: Final = leader_lease
     operations: Final = operations
+    quotas: Final = quotas
     tenants: Final = tenants
     vms: Final = vms
 

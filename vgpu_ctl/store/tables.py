@@ -7,24 +7,28 @@ from sqlalchemy import Table
 
 from vgpu_ctl.store.models import (
     ApiToken,
+    Device,
     Event,
     Gpu,
     Host,
     IdempotentRequest,
     Operation,
     Pool,
+    ScopedQuota,
     ServerLease,
     Tenant,
     Vm,
 )
 
 API_TOKEN: Table = ApiToken.__table__  # type: ignore[attr-defined]
+DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
 EVENT: Table = Event.__table__  # type: ignore[attr-defined]
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
 HOST: Table = Host.__table__  # type: ignore[attr-defined]
 IDEMPOTENT: Table = IdempotentRequest.__table__  # type: ignore[attr-defined]
 OPERATION: Table = Operation.__table__  # type: ignore[attr-defined]
 POOL: Table = Pool.__table__  # type: ignore[attr-defined]
+SCOPED: Table = ScopedQuota.__table__  # type: ignore[attr-defined]
 SERVER_LEASE: Table = ServerLease.__table__  # type: ignore[attr-defined]
 TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
 VM: Table = Vm.__table__  # type: ignore[attr-defined]
