@@ -135,7 +135,7 @@ def check_store_invariants(engine: Any) -> dict[str, Any]:
     GPUs. Returns the per-tenant sums."""
     from sqlalchemy import text
 
-    holding = "('requested', 'placed', 'devices-ready', 'defined', 'running', 'stopped', 'releasing')"
+    holding = "('requested', 'placed', 'devices-ready', 'defined', 'running', 'stopped', 'releasing', 'hibernated')"
     with engine.connect() as conn:
         gpus = {r.id: r for r in conn.execute(text("SELECT * FROM gpu"))}
         devices = conn.execute(text("SELECT d.*, v.state AS vm_state, v.tenant_id, v.pool_id "
@@ -202,7 +202,7 @@ def check_store_invariants(engine: Any) -> dict[str, Any]:
             f"scoped {q.scope}/{q.resource} used {q.used} != allocations"
         assert q.used <= q.limit_value, f"scoped {q.scope}/{q.resource} over its limit"
     for h in hosts:
-        mine = [v for v in vms if v.host_id == h.id]
+        mine = [v for v in vms if v.host_id == h.id and v.state != "hibernated"]  # hibernated: host share back
         assert h.used_vcpus == sum(v.vcpus for v in mine), f"host {h.name} used_vcpus"
         assert h.used_memory_mib == sum(v.memory_mib for v in mine), f"host {h.name} used_memory_mib"
         assert h.used_vcpus <= h.vcpus * h.cpu_overcommit

@@ -1,6 +1,6 @@
 """Borrowing (issue 13, section 4): a quota's guaranteed part beside its limit (the burst). A tenant borrows idle
-capacity above its guarantee up to its limit and no further; a VM is borrowed exactly when its claim takes the
-tenant's usage above a guarantee (decided in the claim's transaction, checked by a trigger); the views show
+capacity above its guarantee up to its limit and no further; a VM is borrowed when it and its tenant's older VMs
+pass a guarantee, as the usage stands now (so a release can make newer work guaranteed); the views show
 guarantee, limit, usage and what is borrowed; bad guarantees are refused naming the field, nothing changed; the
 migration goes down and up with VMs in the store."""
 
@@ -17,6 +17,7 @@ from sqlalchemy import text
 
 from vgpu_ctl import Controller
 from vgpu_ctl.errors import InvalidInput, QuotaExceeded
+from vgpu_ctl.service import scheduling
 from vgpu_ctl.store import migrate
 
 SLICE = "A100D-10C"  # the demo's inference pool has one A100 pinned to it: 8 of these
@@ -28,8 +29,9 @@ def small(ctl: Controller, tenant: str, name: str) -> Any:
 
 def borrowed(ctl: Controller) -> dict[str, bool]:
     with ctl.engine.connect() as conn:
-        return {r.name: bool(r.borrowed) for r in conn.execute(text(
-            "SELECT v.name, s.borrowed FROM vm_sched s JOIN vm v ON v.id = s.vm_id"))}
+        rows = conn.execute(text("SELECT id, name, tenant_id FROM vm")).all()
+        now = scheduling.borrowed_vms(conn, {r.tenant_id for r in rows})
+    return {r.name: r.id in now for r in rows}
 
 
 def row(rows: list[dict[str, Any]], resource: str, scope: str = "*") -> dict[str, Any]:
@@ -42,7 +44,7 @@ def test_borrow_up_to_the_burst_and_no_further(ctl: Controller) -> None:
     assert changes == {"vgpus": 6, "guarantee:vgpus": 4}
     for i in range(6):
         small(ctl, "acme", f"vm{i}")
-    # borrowed exactly when the claim takes usage past the guarantee: the 5th and 6th
+    # borrowed: the newest past the guarantee, the 5th and 6th
     assert borrowed(ctl) == {f"vm{i}": i >= 4 for i in range(6)}
     with pytest.raises(QuotaExceeded) as exc:  # GPUs are idle (2 slots left), but the burst is reached
         small(ctl, "acme", "vm6")
@@ -51,10 +53,11 @@ def test_borrow_up_to_the_burst_and_no_further(ctl: Controller) -> None:
     usage = row(ctl.tenant_usage("acme"), "vgpus")
     assert (usage["guarantee"], usage["limit"], usage["used"], usage["borrowed"]) == (4, 6, 6, 2)
     assert row(ctl.tenant_usage("acme"), "vms")["borrowed"] is None  # no guarantee: nothing to borrow against
-    # releasing a guaranteed VM: the next claim (usage 6 again) is still above the guarantee, so borrowed
+    # releasing a guaranteed VM: the oldest borrowed one (vm4) is within the guarantee now, so guaranteed
     ctl.release_vm("acme/vm0")
-    small(ctl, "acme", "again")
-    assert borrowed(ctl)["again"] is True
+    assert borrowed(ctl) == {f"vm{i}": i == 5 for i in range(1, 6)}
+    small(ctl, "acme", "again")  # usage 6 again: the newest two are borrowed
+    assert borrowed(ctl) == {**{f"vm{i}": i == 5 for i in range(1, 6)}, "again": True}
     check_store_invariants(ctl.engine)
 
 
@@ -103,22 +106,12 @@ def test_bad_guarantees_change_nothing(ctl: Controller, limits: dict[str, Any], 
     assert store_snapshot(ctl) == before
 
 
-def test_the_store_refuses_bad_guarantees_and_flags(ctl: Controller) -> None:
+def test_the_store_refuses_bad_guarantees(ctl: Controller) -> None:
     ctl.create_tenant("acme")
     ctl.set_quota("acme", {"vgpus": 4}, guarantees={"vgpus": 1})
     small(ctl, "acme", "a")
     with ctl.engine.connect() as conn, pytest.raises(Exception, match="guarantee"), conn.begin():
         conn.execute(text("UPDATE tenant SET vgpus_guarantee = 5 WHERE name = 'acme'"))
-    # a VM is borrowed or not as it was claimed
-    with ctl.engine.connect() as conn, pytest.raises(Exception, match="borrowed"), conn.begin():
-        conn.execute(text("UPDATE vm_sched SET borrowed = true"))
-    # a row whose flag disagrees with the tenant's usage is refused
-    with ctl.engine.connect() as conn, pytest.raises(Exception, match="borrowed"), conn.begin():
-        conn.execute(text("UPDATE tenant SET vgpus_guarantee = 0 WHERE name = 'acme'"))
-        conn.execute(text("DELETE FROM vm_sched"))
-        conn.execute(text("INSERT INTO vm_sched (vm_id, tenant_id, priority, preemptible, admitted_at, fb_gib, "
-                          "compute_slices, preemptions, borrowed) SELECT id, tenant_id, 0, false, 0, 0, 0, 0, "
-                          "false FROM vm"))
     assert borrowed(ctl) == {"a": False}
 
 
@@ -193,8 +186,8 @@ def test_readme_borrowing_example(cli: Cli) -> None:
 
 
 def test_concurrent_claims_borrow_exactly_what_passes_the_guarantee(ctl: Controller, store_url: str) -> None:
-    """Eight claims at once from eight controllers: each claim's flag is decided under the tenant row's lock from
-    the usage after its own charge, so exactly the claims past the guarantee are borrowed, whatever the order."""
+    """Eight claims at once from eight controllers: each charge is taken under the tenant row's lock, so the limit
+    holds, and exactly the claims past the guarantee are borrowed: the five newest, whatever the order."""
     from concurrent.futures import ThreadPoolExecutor
 
     ctl.create_tenant("acme")
@@ -209,7 +202,8 @@ def test_concurrent_claims_borrow_exactly_what_passes_the_guarantee(ctl: Control
     assert len(set(ids)) == 8
     flags = borrowed(ctl)
     assert sorted(flags.values()) == [False] * 3 + [True] * 5
-    with ctl.engine.connect() as conn:  # in the order the claims took the lock: the first three are guaranteed
-        order = [bool(r[0]) for r in conn.execute(text("SELECT borrowed FROM vm_sched ORDER BY admitted_at"))]
+    with ctl.engine.connect() as conn:  # in admission order: the first three are guaranteed
+        order = [flags[r[0]] for r in conn.execute(text(
+            "SELECT v.name FROM vm_sched s JOIN vm v ON v.id = s.vm_id ORDER BY s.admitted_at, v.id"))]
     assert order == [False] * 3 + [True] * 5
     check_store_invariants(ctl.engine)

@@ -1,10 +1,12 @@
 """Choosing preemption victims by geometry (core.preemption): MIG starts, compute slices, mixed-size placement
 ids, never a non-preemptible VM or one of equal priority, the smallest set, and a higher priority never refused
-while lower preemptible VMs hold what it needs (hypothesis, against a brute force)."""
+while lower preemptible VMs hold what it needs (hypothesis, against a brute force); a VM is borrowed when it and
+its tenant's older work pass a guarantee, and a reclaim keeps every lender at or above its guarantee."""
 
 from __future__ import annotations
 
 from itertools import combinations
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,16 @@ from hypothesis import strategies as st
 from vgpu_ctl import load_catalog
 from vgpu_ctl.core.geometry import Occupancy, geometry_for
 from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, get_policy, plan_on_host
-from vgpu_ctl.core.preemption import Holder, choose_victims, eligible, victim_order, without
+from vgpu_ctl.core.preemption import (
+    Holder,
+    borrowed_now,
+    choose_victims,
+    eligible,
+    keeps_floor,
+    reclaimable,
+    victim_order,
+    without,
+)
 
 CATALOG = load_catalog()
 MIG = geometry_for(CATALOG, "H100-80GB", "mig")
@@ -164,3 +175,87 @@ def test_smallest_allowed_set_and_never_waiting_needlessly(scene: tuple[HostView
     after = found.plan.occupancies[1]
     kept = {s.start for s in host.gpus[0].occupancy.slots} - {v.devices[0][1] for v in found.victims}
     assert kept <= {s.start for s in after.slots}  # the plan keeps every VM not preempted
+
+
+# -- reclaim's finer rules: borrowed from usage as it stands, and a lender's floor (hypothesis) --------------------
+
+_CHARGES = st.lists(st.fixed_dictionaries({"vgpus": st.integers(0, 3), "memory_mib": st.integers(0, 4)}),
+                    max_size=8)
+_GUARANTEE = st.fixed_dictionaries({"vgpus": st.integers(0, 6)}, optional={"memory_mib": st.integers(0, 8)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CHARGES, _GUARANTEE)
+def test_borrowed_is_the_newest_work_past_the_guarantee(charges: list[dict[str, int]],
+                                                        guarantee: dict[str, int]) -> None:
+    vms = [(f"v{i}", c) for i, c in enumerate(charges)]  # oldest first
+    out = borrowed_now(vms, guarantee)
+    n = len(vms) - len(out)
+    assert out == {vm for vm, _ in vms[n:]}  # a suffix: the newest
+    within = {r: sum(c.get(r, 0) for _, c in vms[:n]) for r in guarantee}
+    assert all(within[r] <= g for r, g in guarantee.items())  # what is guaranteed fits the guarantee
+    if n < len(vms):  # and the oldest borrowed VM would not
+        assert any(within[r] + vms[n][1].get(r, 0) > g for r, g in guarantee.items())
+    # released older work makes newer work guaranteed: never more borrowed after dropping the oldest VM
+    assert borrowed_now(vms[1:], guarantee) <= out
+
+
+@st.composite
+def lenders(draw: st.DrawFn) -> tuple[HostView, list[Holder], dict[str, dict[str, Any]], str]:
+    """A MIG GPU full of two lenders' VMs (each VM one vGPU and some memory), with their guarantees and which
+    VMs are borrowed now; and a request's profile."""
+    occ = Occupancy(MIG)
+    placed: list[tuple[str, str, int, int]] = []  # (vm, tenant, start, memory)
+    for i in range(draw(st.integers(1, 7))):
+        profile = draw(st.sampled_from(["1g.10gb", "1g.10gb", "2g.20gb"]))
+        starts = occ.fit_starts(profile) if occ.misfit(profile) is None else ()
+        if not starts:
+            continue
+        start = draw(st.sampled_from(starts))
+        occ = occ.add(profile, start)
+        placed.append((f"v{i}", draw(st.sampled_from(["l1", "l2"])), start, draw(st.integers(1, 4)) * 1024))
+    tenants: dict[str, dict[str, Any]] = {}
+    for t in ("l1", "l2"):
+        mine = [(vm, {"vgpus": 1, "memory_mib": mem}) for vm, tt, _, mem in placed if tt == t]
+        guarantee = {"vgpus": draw(st.integers(0, 3)), "memory_mib": draw(st.integers(0, 4)) * 1024}
+        used = {r: sum(c[r] for _, c in mine) for r in guarantee}
+        tenants[t] = {"guarantee": guarantee, "used": used, "charges": dict(mine),
+                      "borrowed": borrowed_now(mine, guarantee)}
+    borrowed = set().union(*(t["borrowed"] for t in tenants.values()))
+    holders = [Holder(vm, 1, 10, False, ((1, start),), 1, mem, float(i), vm in borrowed)
+               for i, (vm, _t, start, mem) in enumerate(placed)]
+    host = HostView(1, "h1", 64, 65536, (GpuView(1, "0000:01:00.0", occ),), gpu_count=1)
+    return host, holders, tenants, draw(st.sampled_from(["1g.10gb", "2g.20gb", "3g.40gb"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(lenders())
+def test_a_reclaim_never_takes_a_lender_below_its_guarantee(scene: tuple[HostView, list[Holder],
+                                                                         dict[str, dict[str, Any]], str]) -> None:
+    host, holders, tenants, profile = scene
+    owner = {vm: t for t, d in tenants.items() for vm in d["charges"]}
+
+    def floor(victims: Any) -> bool:
+        freed: dict[str, dict[str, int]] = {}
+        for v in victims:
+            acc = freed.setdefault(owner[v.vm_id], {})
+            for r, n in tenants[owner[v.vm_id]]["charges"][v.vm_id].items():
+                acc[r] = acc.get(r, 0) + n
+        return all(keeps_floor(tenants[t]["used"], tenants[t]["guarantee"], f) for t, f in freed.items())
+
+    request = req(profile)
+    found = choose_victims(request, 0, [host], holders, allowed=reclaimable, keep=floor)
+    allowed = [h for h in holders if h.borrowed]
+    best = next((s for n in range(len(allowed) + 1) for s in combinations(allowed, n)
+                 if floor(s) and _fits(host, request, s)), None)
+    if best is None:
+        assert found is None
+        return
+    assert found is not None and len(found.victims) == len(best)  # found whenever some allowed set works
+    assert all(v.borrowed for v in found.victims)  # only work borrowed now
+    assert floor(found.victims)  # every lender keeps at least its guarantee (or what it had, if below)
+    for t, d in tenants.items():
+        lost = [v for v in found.victims if owner[v.vm_id] == t]
+        for r, g in d["guarantee"].items():
+            left = d["used"][r] - sum(d["charges"][v.vm_id][r] for v in lost)
+            assert left >= min(d["used"][r], g), (t, r, left, g)

@@ -61,7 +61,7 @@ def test_cli_create_list_delete(cli: Cli) -> None:
     (["--value", "-1"], "value"),
     (["--value", "1000000001"], "value"),
     (["--value", "5", "--preemption-policy", "sometimes"], "preemption_policy"),
-    (["--value", "5", "--preemption-mode", "hibernate"], "preemption_mode"),
+    (["--value", "5", "--preemption-mode", "pause"], "preemption_mode"),  # pausing frees nothing: no mode
 ])
 def test_cli_bad_class_exit_2_nothing_changed(cli: Cli, args: list[str], field: str) -> None:
     before = cli.json("priority", "list")

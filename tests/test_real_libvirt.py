@@ -189,3 +189,33 @@ def test_reconcile_against_real_domains(real: Real) -> None:
     assert len(lost) == 1 and lost[0].fixed, lost
     assert _state(real.conn, name) == "running"
     assert real.conn.lookupByName(foreign).isActive() == 0  # a foreign domain is left alone
+
+
+def test_a_hibernated_victim_is_managed_saved_and_restored(real: Real) -> None:
+    """Preemption's hibernate mode on real KVM: the victim's domain is managed-saved (inactive, with a save
+    image) to free the host's memory for a higher-priority VM, and restored (not booted afresh) when that one
+    goes."""
+    import libvirt
+    from sqlalchemy import text
+    with real.ctl.tx() as conn:  # a host short of memory (160 MiB), declaring hibernation for every profile
+        conn.execute(text("UPDATE host SET memory_mib = 160, victim_modes = :m"),
+                     {"m": '{"*": ["requeue", "hibernate"]}'})
+        conn.execute(text("UPDATE gpu SET lacked_types = NULL"))  # the emulated GPU side lacks no type id
+    from vgpu_ctl.service.fit_masks import ensure_fit_masks
+    ensure_fit_masks(real.ctl.engine, real.ctl.catalog, force=True)
+    real.ctl.scheduling.create_class("batch", 10, preemptible=True, preemption_mode="hibernate")
+    real.ctl.scheduling.create_class("prod", 1000)
+    low = real.ctl.request_vm("acme", "low", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="nogpu",
+                              priority="batch")
+    assert low.state == "running", low.error
+    dom = real.conn.lookupByName(f"low-{low.id[:8]}")
+    high = real.ctl.request_vm("acme", "high", [("A100D-10C", 1)], vcpus=1, memory_mib=128, pool="nogpu",
+                               priority="prod")  # 64 + 128 MiB > 160: the host's memory must be freed
+    assert high.state == "running", high.error
+    assert real.ctl.get_vm(low.id).state == "hibernated"
+    assert not dom.isActive() and dom.hasManagedSaveImage(0) == 1
+    real.ctl.release_vm(high.id)  # room again: the queue resumes it from its save image
+    assert real.ctl.get_vm(low.id).state == "running"
+    state, reason = dom.state()
+    assert (state, reason) == (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_RESTORED)
+    assert dom.hasManagedSaveImage(0) == 0

@@ -2,16 +2,19 @@
 not fit takes back what other tenants borrow above theirs, whatever its priority, through the preemption
 machinery (victims by geometry, requeue or cancel, grace, audit with reason 'reclaim', the cool-down, the metric);
 never a VM within its tenant's guarantee, never for a request that would itself borrow, and only when sharing
-gets strictly fairer. Then the invariants after random claims, releases and reclaims (hypothesis)."""
+gets strictly fairer. Whether a VM is borrowed follows its tenant's usage as it stands (a release can make newer
+work guaranteed), and a reclaim never takes a lender below its guarantee. Then the invariants after random
+claims, releases and reclaims (hypothesis)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, check_store_invariants, store_snapshot
+from conftest import DEMO, assert_unchanged_but_refusal, check_store_invariants, store_snapshot
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
@@ -19,6 +22,7 @@ from sqlalchemy import text
 from vgpu_ctl import Controller, NoCapacity
 from vgpu_ctl.core.preemption import borrowed_share, strictly_improves
 from vgpu_ctl.errors import QuotaExceeded
+from vgpu_ctl.service import scheduling
 
 SLICE = "A100D-10C"  # the demo's inference pool has one A100 pinned to it: 8 of these
 
@@ -28,10 +32,28 @@ def small(ctl: Controller, tenant: str, name: str, **kw: Any) -> Any:
 
 
 def flags(ctl: Controller) -> dict[str, bool]:
+    """Whether each VM ("tenant/name") is borrowed now."""
+    now, names = borrowed_now(ctl)
+    return {f"{t}/{name}": vm_id in now for vm_id, (t, name) in names.items()}
+
+
+def borrowed_now(ctl: Controller) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """The ids of the VMs borrowed now, and every VM's (tenant, name) by id."""
     with ctl.engine.connect() as conn:
-        return {f"{r.tenant}/{r.name}": bool(r.borrowed) for r in conn.execute(text(
-            "SELECT t.name AS tenant, v.name, s.borrowed FROM vm_sched s JOIN vm v ON v.id = s.vm_id "
-            "JOIN tenant t ON t.id = v.tenant_id"))}
+        rows = conn.execute(text("SELECT v.id, v.name, v.tenant_id, t.name AS tenant FROM vm v "
+                                 "JOIN tenant t ON t.id = v.tenant_id")).all()
+        return scheduling.borrowed_vms(conn, {r.tenant_id for r in rows}), {r.id: (r.tenant, r.name) for r in rows}
+
+
+def vgpus_used(ctl: Controller, tenant: str) -> int:
+    return int(next(r["used"] for r in ctl.tenant_usage(tenant) if r["resource"] == "vgpus" and r["scope"] == "*"))
+
+
+def admission_order(ctl: Controller) -> list[str]:
+    """The ids of the VMs that hold quota, oldest admission first."""
+    with ctl.engine.connect() as conn:
+        return [r[0] for r in conn.execute(text("SELECT s.vm_id FROM vm_sched s JOIN vm v ON v.id = s.vm_id "
+                                                "ORDER BY s.admitted_at, s.vm_id"))]
 
 
 def lender_fills_the_gpu(ctl: Controller) -> None:
@@ -130,6 +152,48 @@ def test_the_cool_down_protects_a_readmitted_victim_from_an_equal_reclaim(ctl: C
     assert "a6" in [q["name"] for q in ctl.scheduling.queue()]
 
 
+def test_a_release_makes_newer_work_guaranteed_and_no_lender_goes_below_its_guarantee(ctl: Controller) -> None:
+    for t, g in (("acme", 4), ("beta", 4), ("gamma", None)):
+        ctl.create_tenant(t)
+        ctl.set_quota(t, {"vgpus": 8}, guarantees={"vgpus": g} if g is not None else None)
+    for i in range(6):
+        small(ctl, "acme", f"a{i}")  # a4 and a5 past the guarantee of 4
+    small(ctl, "gamma", "g0")
+    small(ctl, "gamma", "g1")  # the GPU is full
+    assert sorted(k for k, v in flags(ctl).items() if v) == ["acme/a4", "acme/a5"]
+    ctl.release_vm("acme/a0")
+    small(ctl, "gamma", "g2")  # full again
+    assert [k for k, v in flags(ctl).items() if v] == ["acme/a5"]  # a4 is within the guarantee now
+    # beta (within its guarantee) needs two slots: taking a4 and a5 would leave acme at 3 of its 4 guaranteed
+    before = store_snapshot(ctl)
+    with pytest.raises(NoCapacity, match="reclaiming does not help"):
+        ctl.request_vm("beta", "two", [(SLICE, 2)], vcpus=1, memory_mib=1024, pool="inference")
+    assert_unchanged_but_refusal(ctl, before)
+    small(ctl, "beta", "one")  # one slot: a5 comes back, acme stays at its guarantee
+    assert sorted(v.name for v in ctl.list_vms() if v.tenant == "acme") == ["a1", "a2", "a3", "a4"]
+    assert vgpus_used(ctl, "acme") == 4
+    check_store_invariants(ctl.engine)
+
+
+def test_a_vm_borrowed_by_one_resource_stays_when_taking_it_breaks_another_guarantee(ctl: Controller) -> None:
+    ctl.create_tenant("acme")
+    ctl.set_quota("acme", {"vgpus": 8, "memory_mib": 65536}, guarantees={"vgpus": 4, "memory_mib": 4096})
+    for t, g in (("beta", 4), ("gamma", None)):
+        ctl.create_tenant(t)
+        ctl.set_quota(t, {"vgpus": 8}, guarantees={"vgpus": g} if g is not None else None)
+    for i in range(4):
+        ctl.request_vm("acme", f"a{i}", [(SLICE, 1)], vcpus=1, memory_mib=512, pool="inference")
+    ctl.request_vm("acme", "big", [(SLICE, 1)], vcpus=1, memory_mib=2048, pool="inference")  # 5 > 4 vGPUs
+    for i in range(3):
+        small(ctl, "gamma", f"g{i}")  # the GPU is full
+    assert [k for k, v in flags(ctl).items() if v] == ["acme/big"]
+    # taking big back would leave acme at 2048 MiB of its 4096 guaranteed: no reclaim
+    before = store_snapshot(ctl)
+    with pytest.raises(NoCapacity, match="reclaiming does not help"):
+        small(ctl, "beta", "b0")
+    assert_unchanged_but_refusal(ctl, before)
+
+
 def test_fair_share_check() -> None:
     assert borrowed_share({"vgpus": 6}, {"vgpus": 4}) == 0.5
     assert borrowed_share({"vgpus": 3}, {"vgpus": 4}) == 0.0
@@ -165,38 +229,38 @@ def test_invariants_after_random_claims_releases_and_reclaims(ops: list[tuple[st
             for t, (g, burst) in TENANTS.items():
                 ctl.create_tenant(t)
                 ctl.set_quota(t, {"vgpus": burst}, guarantees={"vgpus": g} if g is not None else None)
-            claimed: dict[str, bool] = {}  # VM id -> whether its claim took its tenant above its guarantee
             n = 0
             # a full GPU to start from: acme at its burst (4 of its 6 borrowed), gamma with the last 2 slots
             prelude = [("claim", "acme", 0)] * 6 + [("claim", "gamma", 0)] * 2
             for op, tenant, k in prelude + ops:
+                before_ids, _ = borrowed_now(ctl)
+                used_before = {t: vgpus_used(ctl, t) for t in TENANTS}
+                seen = len(ctl.events())
                 if op == "claim":
                     n += 1
-                    g = TENANTS[tenant][0]
-                    try:
-                        vm = small(ctl, tenant, f"v{n}")
-                    except (NoCapacity, QuotaExceeded):
-                        continue
-                    # usage after the charge (the reclaim took only other tenants' VMs)
-                    used = next(r["used"] for r in ctl.tenant_usage(tenant) if r["resource"] == "vgpus")
-                    claimed[vm.id] = g is not None and used > g
+                    with contextlib.suppress(NoCapacity, QuotaExceeded):
+                        small(ctl, tenant, f"v{n}")
                 else:
                     vms = ctl.list_vms()
                     if vms:
                         ctl.release_vm(vms[k % len(vms)].id)
                 check_store_invariants(ctl.engine)
-                events = ctl.events()
-                # re-admitted victims keep their id; their flag is checked by the trigger on their new insert
-                readmitted = {e["target"].removeprefix("vm:") for e in events if e["action"] == "vm.admit"}
-                with ctl.engine.connect() as conn:
-                    rows = conn.execute(text("SELECT vm_id, borrowed FROM vm_sched")).all()
-                for vm_id, was in rows:
-                    if vm_id in claimed and vm_id not in readmitted:
-                        assert bool(was) == claimed[vm_id]
-                # no tenant within its guarantee has lost a VM to a reclaim: every VM taken was claimed borrowed
-                for e in events:
-                    if e["action"] == "vm.preempt":
-                        event("reclaimed")
-                        assert e["params"]["reason"] == "reclaim"
-                        for v in e["params"]["victims"]:
-                            assert claimed[v["vm_id"]], v
+                # borrowed follows usage as it stands: per tenant, exactly its usage above the guarantee, its
+                # newest VMs (admission order), however they came and whatever was released before them
+                now_ids, names = borrowed_now(ctl)
+                for t, (g, _burst) in TENANTS.items():
+                    mine = [i for i in admission_order(ctl) if names[i][0] == t]
+                    over = max(0, len(mine) - g) if g is not None else 0
+                    assert {i for i in mine if i in now_ids} == set(mine[len(mine) - over:]), (t, mine)
+                for e in ctl.events()[seen:]:
+                    if e["action"] != "vm.preempt":
+                        continue
+                    event("reclaimed")
+                    assert e["params"]["reason"] == "reclaim"
+                    lost: dict[str, int] = {}
+                    for v in e["params"]["victims"]:
+                        assert v["vm_id"] in before_ids, v  # only work borrowed at that moment is taken back
+                        lost[v["tenant"]] = lost.get(v["tenant"], 0) + 1
+                    for t, k_lost in lost.items():  # and no lender falls below its guarantee
+                        g = TENANTS[t][0]
+                        assert g is not None and used_before[t] - k_lost >= min(used_before[t], g), (t, lost)

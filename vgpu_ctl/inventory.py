@@ -222,6 +222,8 @@ class HostDecl(_Named):
     cpu_overcommit: float = Field(default=1.0, gt=0, le=1000)
     memory_overcommit: float = Field(default=1.0, gt=0, le=1000)
     state: Literal["active", "draining", "down"] = "active"
+    # Per profile name ('*': every profile) the modes a preempted VM here may be freed by; unset: requeue, cancel.
+    victim_modes: dict[str, list[Literal["requeue", "hibernate", "cancel"]]] | None = None
     gpus: list[GpuDecl] = []
 
     @field_validator("uri")
@@ -239,6 +241,16 @@ class HostDecl(_Named):
         for k, val in v.items():
             if not re.fullmatch(r"[A-Za-z0-9_./-]{1,63}", k) or not re.fullmatch(r"[A-Za-z0-9_./:-]{0,63}", val):
                 raise ValueError(f"label {k}={val!r} must use letters, digits, '_', '.', '/', '-' (':' in values)")
+        return v
+
+    @field_validator("victim_modes")
+    @classmethod
+    def _victim_modes(cls, v: dict[str, list[str]] | None) -> dict[str, list[str]] | None:
+        for profile, modes in (v or {}).items():
+            if profile != "*" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}", profile):
+                raise ValueError(f"victim_modes key {profile!r} must be a profile name or '*'")
+            if len(set(modes)) != len(modes):
+                raise ValueError(f"victim_modes of {profile!r} names a mode twice: {', '.join(modes)}")
         return v
 
     @model_validator(mode="after")
@@ -444,6 +456,8 @@ def _check_semantics(path: Path, lines: _Lines, inv: InventoryDecl, catalog: Cat
         if h.name in hosts:
             fail(["hosts", hi, "name"], f"duplicate host {h.name!r}")
         hosts.add(h.name)
+        for profile in sorted(set(h.victim_modes or ()) - known - {"*"}):
+            fail(["hosts", hi, "victim_modes", profile], f"unknown profile {profile!r} (see vgpuctl profiles list)")
         for gi, g in enumerate(h.gpus):
             key = (g.model, g.mode, g.pool, g.vgpu_type, None if g.mig_layout is None else tuple(g.mig_layout))
             if key not in checked:

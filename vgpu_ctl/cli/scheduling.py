@@ -42,8 +42,9 @@ def priority_create(name: str = typer.Argument(..., help="Class name."),
                     preemptible: bool = typer.Option(False, "--preemptible", help="VMs of it may be preempted."),
                     preemption_policy: str = typer.Option("lower-priority", help="never | lower-priority: may its "
                                                           "requests preempt lower-priority preemptible VMs."),
-                    preemption_mode: str = typer.Option("requeue", help="requeue | cancel: how its VMs are freed "
-                                                        "when preempted."),
+                    preemption_mode: str = typer.Option("requeue", help="requeue | hibernate | cancel: how its VMs are "
+                                                        "freed when preempted (or a mode keeping more of them, as "
+                                                        "their host supports)."),
                     default: bool = typer.Option(False, "--default", help="The global default class."),
                     description: str = typer.Option("", help="What the class is for."),
                     as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:

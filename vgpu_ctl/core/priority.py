@@ -3,7 +3,8 @@
 A class has an integer value (0 to 1e9, higher is more important, as Kubernetes' PriorityClass), whether VMs of it
 may be preempted, the policy of its own requests (`lower-priority`: they may preempt preemptible VMs of strictly
 lower value; `never`: they wait instead), and how its VMs are freed when preempted (`requeue`: stopped, devices
-freed, the request queued again at its priority; `cancel`: deleted).
+freed, the request queued again at its priority; `hibernate`: saved to the host's disk (libvirt managed save),
+keeping its devices, and resumed when its host has room again; `cancel`: deleted).
 """
 
 from __future__ import annotations
@@ -28,8 +29,30 @@ class PreemptionPolicy(StrEnum):
 class PreemptionMode(StrEnum):
     """How a preempted VM of a class is freed."""
 
+    HIBERNATE = "hibernate"
     REQUEUE = "requeue"
     CANCEL = "cancel"
+
+
+KEEPS_MORE: dict[PreemptionMode, tuple[PreemptionMode, ...]] = {
+    PreemptionMode.CANCEL: (PreemptionMode.CANCEL, PreemptionMode.REQUEUE, PreemptionMode.HIBERNATE),
+    PreemptionMode.REQUEUE: (PreemptionMode.REQUEUE, PreemptionMode.HIBERNATE),
+    PreemptionMode.HIBERNATE: (PreemptionMode.HIBERNATE,),
+}
+"""The modes a VM of a class may be freed by, in order: its class's own, then those that keep more of it
+(hibernate keeps its memory, devices and disk; requeue its disk and request; cancel nothing), never a harsher
+one."""
+
+FREES_DEVICES = frozenset({PreemptionMode.REQUEUE, PreemptionMode.CANCEL})
+"""The modes that free a victim's devices. A hibernated VM keeps them (NVIDIA: a vGPU's framebuffer is its own
+until the vGPU is destroyed, and its saved state restores onto that device), so it frees only its host's vCPUs
+and memory."""
+
+
+def victim_mode(class_mode: PreemptionMode, supported: Collection[PreemptionMode]) -> PreemptionMode | None:
+    """How a victim of a class whose mode is `class_mode` is freed where `supported` modes are possible: the first
+    of `KEEPS_MORE[class_mode]` that is supported; None when none is."""
+    return next((m for m in KEEPS_MORE[class_mode] if m in supported), None)
 
 
 @dataclass(frozen=True, slots=True)

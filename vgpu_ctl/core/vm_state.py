@@ -5,6 +5,11 @@ fail (its claim undone); every state that holds a claim can go to releasing, aft
 Reconcile may send a defined, running or stopped VM whose devices or domain vanished back to placed, to build it
 again, and a VM rebuilt that way that was stopped goes from defined back to stopped, not started. A failed VM
 holds nothing and can only be deleted.
+
+A running VM may be hibernated (libvirt managed save, a preemption's `hibernate` mode): its memory goes to the
+host's disk and QEMU ends, so it gives back its host's vCPUs and memory, but it keeps its devices and quota (a
+vGPU's saved state restores only onto the device it was saved from); resumed, it is running again, and it may be
+deleted while hibernated.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class VmState(StrEnum):
     DEFINED = "defined"
     RUNNING = "running"
     STOPPED = "stopped"
+    HIBERNATED = "hibernated"
     RELEASING = "releasing"
     FAILED = "failed"
 
@@ -37,16 +43,21 @@ LIVE = (VmState.RUNNING, VmState.STOPPED)
 IN_FLIGHT = (*PROVISIONING, VmState.RELEASING)
 """States in which a process is (or was, before a crash) in the middle of an operation on the VM."""
 
-HOLDS_CLAIM = (*PROVISIONING, *LIVE, VmState.RELEASING)
-"""States in which the VM holds devices, quota and host capacity."""
+HOLDS_CLAIM = (*PROVISIONING, *LIVE, VmState.HIBERNATED, VmState.RELEASING)
+"""States in which the VM holds devices and quota."""
+
+HOLDS_HOST = tuple(s for s in HOLDS_CLAIM if s is not VmState.HIBERNATED)
+"""States in which the VM holds its host's vCPUs and memory (a hibernated VM gave them back)."""
 
 TRANSITIONS: dict[VmState, frozenset[VmState]] = {
     VmState.PLACED: frozenset({VmState.DEVICES_READY, VmState.FAILED, VmState.RELEASING}),
     VmState.DEVICES_READY: frozenset({VmState.DEFINED, VmState.FAILED, VmState.RELEASING}),
     VmState.DEFINED: frozenset({VmState.RUNNING, VmState.STOPPED, VmState.FAILED, VmState.RELEASING,
                                 VmState.PLACED}),
-    VmState.RUNNING: frozenset({VmState.STOPPED, VmState.FAILED, VmState.RELEASING, VmState.PLACED}),
+    VmState.RUNNING: frozenset({VmState.STOPPED, VmState.FAILED, VmState.RELEASING, VmState.PLACED,
+                                VmState.HIBERNATED}),
     VmState.STOPPED: frozenset({VmState.RUNNING, VmState.RELEASING, VmState.PLACED}),
+    VmState.HIBERNATED: frozenset({VmState.RUNNING, VmState.RELEASING}),
     VmState.RELEASING: frozenset(),  # the row is deleted when the release finishes
     VmState.FAILED: frozenset(),  # deleted by vm delete
 }

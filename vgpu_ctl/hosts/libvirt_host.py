@@ -206,6 +206,20 @@ class LibvirtHost:
             else:
                 dom.shutdown()
 
+    def managed_save(self, name: str) -> None:
+        """Save the running domain's memory to its managed save file and stop it (`virDomainManagedSave`); the
+        next `start_domain` restores it (idempotent: already saved is fine)."""
+        dom = self._lookup(name)
+        if dom is None:
+            raise HostError(f"host {self.name}: domain {name} is not defined",
+                            reasons=[{"host": self.name, "domain": name}])
+        with libvirt_errors(self.name, f"saving domain {name}"):
+            if dom.isActive():
+                dom.managedSave(0)
+            elif not dom.hasManagedSaveImage(0):
+                raise HostError(f"host {self.name}: domain {name} is not running and has no managed save image, "
+                                "so there is nothing to save", reasons=[{"host": self.name, "domain": name}])
+
     def undefine_domain(self, name: str) -> None:
         """Stop if needed and undefine; a controller's domain also loses its overlay disks (idempotent: absent
         is fine)."""
@@ -231,10 +245,11 @@ class LibvirtHost:
                 try:
                     xml = dom.XMLDesc(0)
                     active = bool(dom.isActive())
+                    saved = not active and bool(dom.hasManagedSaveImage(0))
                 except libvirt.libvirtError:
                     continue  # undefined while we were listing
                 out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml), read_hostdevs(xml),
-                                      read_claim(xml)))
+                                      read_claim(xml), saved))
         return out
 
     def close(self) -> None:

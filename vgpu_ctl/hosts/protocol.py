@@ -64,6 +64,7 @@ class DomainInfo:
     metadata: dict[str, str] = field(default_factory=dict)  # vm_id, tenant, device ids ("" if foreign)
     hostdevs: tuple[str, ...] = ()  # what its XML takes: mdev UUIDs and PCI addresses, foreign domains' too
     claim: DomainClaim | None = None  # the VM and device positions its metadata records (to adopt it)
+    saved: bool = False  # it has a managed save image: its next start restores it
 
 
 class HostDriver(Protocol):
@@ -94,6 +95,12 @@ class HostDriver(Protocol):
 
     def stop_domain(self, name: str, force: bool = False) -> None:
         """Shut down (or with force, destroy) a domain (idempotent)."""
+        ...
+
+    def managed_save(self, name: str) -> None:
+        """Save a running domain's memory to the host's managed save file and stop it (libvirt
+        `virDomainManagedSave`); its next start restores it. Idempotent: an inactive domain with a managed save
+        image is fine; HostError for one that is absent or inactive without one."""
         ...
 
     def undefine_domain(self, name: str) -> None:

@@ -1,9 +1,9 @@
 """A simulated host: devices and domains in a JSON file; domain XML still goes through libvirt's parser.
 
 For tests only, `VGPU_CTL_SIM_HOLD=STEP=PATH[,STEP=PATH...]` holds a step (create_device, define_domain,
-start_domain, stop_domain, remove_device, undefine_domain) before it acts, for as long as the file PATH exists,
-and creates `PATH.waiting` while it waits: a test makes a server's operation stop at a known point, kills or
-signals the server there, then lets the step go by removing PATH. Unset, nothing waits.
+start_domain, stop_domain, managed_save, remove_device, undefine_domain) before it acts, for as long as the file
+PATH exists, and creates `PATH.waiting` while it waits: a test makes a server's operation stop at a known point,
+kills or signals the server there, then lets the step go by removing PATH. Unset, nothing waits.
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ class SimulatedHost:
                 raise HostError(f"host {self.name}: starting domain {name} failed: mediated device "
                                 f"{missing[0]} not found", reasons=[{"host": self.name, "domain": name}])
             dom["active"] = True
+            if dom.pop("saved", False):  # like libvirt: a start restores the managed save image, then drops it
+                dom["restores"] = int(dom.get("restores", 0)) + 1
 
     def stop_domain(self, name: str, force: bool = False) -> None:
         """Mark the domain stopped (idempotent: stopped or absent is fine)."""
@@ -180,6 +182,17 @@ class SimulatedHost:
             dom = state["domains"].get(name)
             if dom is not None:
                 dom["active"] = False
+
+    def managed_save(self, name: str) -> None:
+        """Mark the running domain saved and stopped (idempotent: already saved is fine); its next start restores
+        it (counted in the state file's `restores`)."""
+        _hold("managed_save")
+        with self._state(write=True) as state:
+            dom = state["domains"].get(name)
+            if dom is None or not (dom["active"] or dom.get("saved")):
+                raise HostError(f"host {self.name}: domain {name} is not running and has no managed save image, "
+                                "so there is nothing to save", reasons=[{"host": self.name, "domain": name}])
+            dom["active"], dom["saved"] = False, True
 
     def undefine_domain(self, name: str) -> None:
         """Forget the domain (idempotent: absent is fine)."""
@@ -191,7 +204,7 @@ class SimulatedHost:
         """Every domain recorded on this host, with the controller's metadata."""
         with self._state(write=False) as state:
             return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]), read_hostdevs(d["xml"]),
-                               read_claim(d["xml"]))
+                               read_claim(d["xml"]), bool(d.get("saved")))
                     for n, d in sorted(state["domains"].items())]
 
     def close(self) -> None:

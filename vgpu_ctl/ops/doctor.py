@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, fit_mask, geometry_for
-from vgpu_ctl.core.vm_state import HOLDS_CLAIM, IN_FLIGHT, VmState
+from vgpu_ctl.core.vm_state import HOLDS_HOST, IN_FLIGHT, VmState
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
@@ -194,7 +194,7 @@ def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
     taken = {r.host_id: (r.vcpus, r.mem) for r in conn.execute(
         select(VM.c.host_id, func.coalesce(func.sum(VM.c.vcpus), 0).label("vcpus"),
                func.coalesce(func.sum(VM.c.memory_mib), 0).label("mem"))
-        .where(VM.c.host_id.is_not(None), VM.c.state.in_(HOLDS_CLAIM)).group_by(VM.c.host_id))}
+        .where(VM.c.host_id.is_not(None), VM.c.state.in_(HOLDS_HOST)).group_by(VM.c.host_id))}
     for h in conn.execute(select(HOST)).all():
         vcpus, mem = taken.get(h.id, (0, 0))
         for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):

@@ -35,7 +35,7 @@ class PriorityClassCreate(BaseModel):
     preemption_policy: str = Field("lower-priority", description="May its requests preempt lower-priority "
                                    "preemptible VMs", json_schema_extra={"enum": ["never", "lower-priority"]})
     preemption_mode: str = Field("requeue", description="How its VMs are freed when preempted",
-                                 json_schema_extra={"enum": ["requeue", "cancel"]})
+                                 json_schema_extra={"enum": ["requeue", "hibernate", "cancel"]})
     default: StrictBool = Field(False, description="The global default class")
     description: str = Field("", description="What the class is for", json_schema_extra={"maxLength": 500})
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, exists, func, literal, null, or_, select, update
+from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, func, literal, null, or_, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
@@ -30,7 +30,7 @@ from vgpu_ctl.core.geometry import (
 )
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
-from vgpu_ctl.store.models import Device, Gpu, Host, HostFit, Pool, ScopedQuota, Tenant, Vm
+from vgpu_ctl.store.models import Device, Gpu, Host, HostFit, ScopedQuota, Tenant, Vm
 from vgpu_ctl.store.prepared import Prepared, insert_all
 
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
@@ -448,21 +448,6 @@ GUARANTEED = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
 """The resources a quota may guarantee part of (globally and per pool): the base ones, not profiles."""
 
 _VM: Table = Vm.__table__  # type: ignore[attr-defined]
-_POOL: Table = Pool.__table__  # type: ignore[attr-defined]
-
-
-def over_guarantee(tenant_id: Any, vm_id: Any) -> Any:
-    """SQL condition: the tenant's usage is above one of its guarantees now, globally or in the pool of the VM
-    `vm_id`. A claim reads it right after its charge, under the tenant row's lock: the VM then is borrowed. The
-    same condition in migration 0007's trigger refuses a `vm_sched` row that disagrees."""
-    global_over = select(or_(*(and_(TENANT.c[f"{r}_guarantee"].is_not(None),
-                                    TENANT.c[f"{r}_used"] > TENANT.c[f"{r}_guarantee"]) for r in GUARANTEED))
-                         ).where(TENANT.c.id == tenant_id).scalar_subquery()
-    pool_over = exists(select(SCOPED.c.id).join(_POOL, _POOL.c.name == SCOPED.c.scope)
-                       .join(_VM, _VM.c.pool_id == _POOL.c.id)
-                       .where(_VM.c.id == vm_id, SCOPED.c.tenant_id == tenant_id, SCOPED.c.guarantee.is_not(None),
-                              SCOPED.c.used > SCOPED.c.guarantee))
-    return or_(global_over, pool_over)
 
 
 _SCOPED_ROWS = Prepared(select(SCOPED.c.scope, SCOPED.c.resource)

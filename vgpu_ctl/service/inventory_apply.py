@@ -36,7 +36,7 @@ def _host_fields(h: HostDecl, new: bool) -> dict[str, Any]:
     (so `vgpuctl host cordon` outlives the next apply), except on a new host."""
     fields = {"uri": h.uri, "driver": h.driver, "vgpu_backing": h.vgpu_backing, "labels": dict(h.labels),
               "vcpus": h.vcpus, "memory_mib": h.memory_mib, "cpu_overcommit": h.cpu_overcommit,
-              "memory_overcommit": h.memory_overcommit}
+              "memory_overcommit": h.memory_overcommit, "victim_modes": h.victim_modes}
     if new or "state" in h.model_fields_set:
         fields["state"] = h.state
     return fields

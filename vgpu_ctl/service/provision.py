@@ -257,6 +257,8 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generatio
     holder = holder or new_holder()
     with ctl.tx() as conn:
         vm = take(conn, vm_id, holder, HOLDS_CLAIM, to_state=VmState.RELEASING, what="delete", generation=generation)
+        if vm is not None and vm.state == VmState.HIBERNATED and vm.host_id is not None:  # it gave back its
+            alloc.release_host(conn, vm.host_id, -vm.vcpus, -vm.memory_mib)  # host's share: the release frees it
         if vm is None:  # failed (it holds nothing), or deleted meanwhile
             gone = conn.execute(select(VM.c.name, VM.c.tenant_id).where(VM.c.id == vm_id)).first()
             failed = VM.delete().where(VM.c.id == vm_id, VM.c.state == VmState.FAILED.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vgpu_ctl.core.vm_state import HOLDS_CLAIM
+from vgpu_ctl.core.vm_state import HOLDS_CLAIM, HOLDS_HOST
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.allocation import GUARANTEED
@@ -123,7 +123,7 @@ def repair_usage(conn: Tx) -> list[dict[str, Any]]:
                 q.set_scoped_used(conn, row.id, held)
     for h_id, name in q.host_refs(conn):
         stored = dict(zip(("used_vcpus", "used_memory_mib"), q.lock_host_usage(conn, h_id), strict=True))
-        holds = dict(zip(("used_vcpus", "used_memory_mib"), q.host_allocated(conn, h_id, HOLDS_CLAIM), strict=True))
+        holds = dict(zip(("used_vcpus", "used_memory_mib"), q.host_allocated(conn, h_id, HOLDS_HOST), strict=True))
         fixed_host = {c: v for c, v in holds.items() if stored[c] != v}
         changes += [{"object": f"host {name}", "resource": k.removeprefix("used_"), "stored": stored[k],
                      "allocated": v} for k, v in fixed_host.items()]

@@ -12,10 +12,10 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Integer, String, Table, and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.fairshare import (
@@ -33,12 +33,15 @@ from vgpu_ctl.core.placement import PlacementPlan, PlacementRequest, get_policy
 from vgpu_ctl.core.preemption import (
     Holder,
     Preemption,
+    borrowed_now,
     borrowed_share,
     choose_victims,
+    keeps_floor,
     reclaimable,
     strictly_improves,
 )
 from vgpu_ctl.core.priority import (
+    FREES_DEVICES,
     NO_CLASS,
     PreemptionMode,
     PreemptionPolicy,
@@ -47,12 +50,14 @@ from vgpu_ctl.core.priority import (
     check_policy,
     check_value,
     resolve_class,
+    victim_mode,
 )
-from vgpu_ctl.core.vm_state import LIVE, VmState
+from vgpu_ctl.core.vm_state import HOLDS_CLAIM, LIVE, VmState
 from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, Refused, VgpuCtlError
 from vgpu_ctl.inventory import check_int, check_name
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.hibernation import hibernate, resume, supported_modes
 from vgpu_ctl.service.principals import Principal
 from vgpu_ctl.service.quotas import POOL, VM
 from vgpu_ctl.service.scheduling_types import PreemptionPlan, Victim  # their home, re-exported
@@ -341,27 +346,24 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
     return fb, compute
 
 
-# A VM's scheduling row; `borrowed` computed in the statement from its tenant's rows (`over_guarantee`).
-_INSERT_SCHED = Prepared(insert(VMSCHED).values(
-    {**{c.name: bindparam(c.name, type_=c.type) for c in VMSCHED.columns if c.name != "borrowed"},
-     "borrowed": alloc.over_guarantee(bindparam("b_tenant", type_=Integer), bindparam("b_vm", type_=String))}))
+# A VM's scheduling row, inserted in its claim's transaction.
+_INSERT_SCHED = Prepared(insert(VMSCHED).values({c.name: bindparam(c.name, type_=c.type) for c in VMSCHED.columns}))
 
 
 def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
            history: Mapping[str, Any] | None = None) -> None:
     """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
-    re-admitted victim's cool-down starts now. The VM is borrowed when its tenant's usage, after this claim's
-    charge, is above one of its guarantees (read in the same statement, under the tenant row's lock)."""
+    re-admitted victim's cool-down starts now. Whether it is borrowed is not recorded: it follows its tenant's
+    usage as it stands (`borrowed_vms`)."""
     fb, compute = charge_of(catalog, chosen)
     h = history or {}
     now = time.time()
     protected = h.get("protected_below")  # a requeued victim: its cool-down runs from this admission
-    _INSERT_SCHED.run(conn, {  # borrowed: from the usage after this claim's charge, under its lock
+    _INSERT_SCHED.run(conn, {
         "vm_id": vm_id, "tenant_id": tenant_id, "class_name": cls.name or None, "priority": cls.value,
         "preemptible": cls.preemptible, "admitted_at": now, "fb_gib": fb, "compute_slices": compute,
         "preemptions": int(h.get("preemptions", 0)), "protected_below": protected,
-        "protected_until": now + float(h.get("cooldown_s", 0.0)) if protected is not None else None,
-        "b_tenant": tenant_id, "b_vm": vm_id})
+        "protected_until": now + float(h.get("cooldown_s", 0.0)) if protected is not None else None})
 
 
 # -- fair share -------------------------------------------------------------------------------------------------
@@ -462,60 +464,101 @@ def share_report(conn: Connection, catalog: Any, principal: Principal,
 
 # -- preemption -------------------------------------------------------------------------------------------------
 
-def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> tuple[list[Holder], dict[str, Any]]:
-    """The VMs on these hosts that could be preempted (live: running or stopped, nobody working on them), as
-    Holders, and their rows by id."""
+class Candidates(NamedTuple):
+    """The VMs on some hosts that a preemption could free: as Holders, their rows and the mode each would be
+    freed by (by id), and why the others that are live there cannot be freed (their host supports no mode their
+    class allows)."""
+
+    holders: list[Holder]
+    rows: dict[str, Any]
+    modes: dict[str, str]
+    unfreeable: list[str]
+
+
+class Found(NamedTuple):
+    """A preemption plan: the victims and the plan once they are gone, the pool, and the candidates it was
+    chosen from."""
+
+    pre: Preemption
+    pool: Any
+    cands: Candidates
+
+
+def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> Candidates:
+    """The VMs on these hosts that could be preempted (live: running or stopped, nobody working on them), each
+    with the mode it would be freed by (its class's, or one keeping more of it, that its host supports for its
+    profiles: `core.priority.victim_mode`), borrowed as its tenant's usage stands now (`borrowed_vms`)."""
     if not host_ids:
-        return [], {}
+        return Candidates([], {}, {}, [])
     rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.host_id, VM.c.vcpus, VM.c.memory_mib, VM.c.state,
                                VM.c.lease_holder, VM.c.tenant_id, VMSCHED.c.priority, VMSCHED.c.preemptible,
                                VMSCHED.c.admitted_at, VMSCHED.c.protected_below, VMSCHED.c.protected_until,
-                               VMSCHED.c.class_name, VMSCHED.c.preemptions, VMSCHED.c.borrowed, VM.c.pool_id)
-                        .join(VMSCHED, VMSCHED.c.vm_id == VM.c.id)
+                               VMSCHED.c.class_name, VMSCHED.c.preemptions, VM.c.pool_id, VM.c.spec,
+                               alloc.HOST.c.name.label("host_name"), alloc.HOST.c.victim_modes)
+                        .join(VMSCHED, VMSCHED.c.vm_id == VM.c.id).join(alloc.HOST, alloc.HOST.c.id == VM.c.host_id)
                         .where(VM.c.host_id.in_(list(host_ids)), VM.c.state.in_(LIVE),
                                VM.c.lease_holder.is_(None))).all()
     devs: dict[str, list[tuple[int, int]]] = {}
+    kinds: dict[str, tuple[set[str], set[str]]] = {}
     if rows:
-        for d in conn.execute(select(alloc.DEVICE.c.vm_id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start)
+        for d in conn.execute(select(alloc.DEVICE.c.vm_id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start,
+                                     alloc.DEVICE.c.profile, alloc.DEVICE.c.backing)
                               .where(alloc.DEVICE.c.vm_id.in_([r.id for r in rows]))):
             devs.setdefault(d.vm_id, []).append((d.gpu_id, d.start))
-    out = []
+            profiles, backings = kinds.setdefault(d.vm_id, (set(), set()))
+            profiles.add(d.profile)
+            backings.add(d.backing)
+    borrowed = borrowed_vms(conn, {r.tenant_id for r in rows})
+    known = classes(conn)
+    out, modes, unfreeable = [], {}, []
     for r in rows:
+        profiles, backings = kinds.get(r.id, (set(), set()))
+        supported, notes = supported_modes(r.victim_modes, profiles, backings, r.state == VmState.RUNNING)
+        wanted = known[r.class_name].preemption_mode if r.class_name in known else PreemptionMode.REQUEUE
+        mode = victim_mode(wanted, supported)
+        if mode is None:
+            if r.preemptible:
+                unfreeable.append(f"VM {r.name} on host {r.host_name} ({wanted} or what keeps more: the host "
+                                  f"supports {'; '.join(notes) or ', '.join(sorted(supported))})")
+            continue
+        modes[r.id] = mode.value
         protected = r.protected_below if r.protected_until is not None and r.protected_until > now else None
         out.append(Holder(r.id, r.host_id, int(r.priority), bool(r.preemptible), tuple(sorted(devs.get(r.id, []))),
-                          int(r.vcpus), int(r.memory_mib), float(r.admitted_at), bool(r.borrowed), protected))
-    return out, {r.id: r for r in rows}
+                          int(r.vcpus), int(r.memory_mib), float(r.admitted_at), r.id in borrowed, protected,
+                          keeps_devices=mode not in FREES_DEVICES))
+    return Candidates(out, {r.id: r for r in rows}, modes, unfreeable)
 
 
 def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
-                    pools: Sequence[Any], reclaim: bool = False) -> tuple[Preemption, Any, dict[str, Any]] | None:
+                    pools: Sequence[Any], reclaim: bool = False) -> Found | None:
     """The fewest victims over the request's pools (first pool with a set wins, as the claim tries pools in
-    order), with the pool and the victims' rows; None when no allowed set makes room. With `reclaim`, only pools
-    where the request stays within its tenant's guarantee, only other tenants' borrowed VMs of tenants still
-    above their guarantee, and only a set that makes the borrowed shares strictly fairer (`reclaim_check`)."""
+    order), with the pool and the candidates; None when no allowed set makes room. With `reclaim`, only pools
+    where the request stays within its tenant's guarantee, only other tenants' VMs borrowed now, only a set that
+    leaves every lender at or above its guarantee (`lender_floor`), and only one that makes the borrowed shares
+    strictly fairer (`reclaim_check`)."""
     preq = PlacementRequest(req.profiles(), req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
     names = {p.id: p.name for p in pools}
     now = time.time()
     t_id = ctl._tenant_id(conn, req.tenant)
     delta = _delta(ctl, req)
-    lenders = _over_guarantee(conn) if reclaim else (set(), set())
     for pool in pools:
         if reclaim and not within_guarantee(conn, t_id, delta, pool.name):
             continue
-        cands = alloc.all_candidates(conn, ctl.catalog, [pool.id], preq.profiles, req.anti_affinity, names)
-        hosts = [h for h in cands.hosts]
-        holders, rows = _holders(conn, [h.host_id for h in hosts], now)
+        found = alloc.all_candidates(conn, ctl.catalog, [pool.id], preq.profiles, req.anti_affinity, names)
+        hosts = list(found.hosts)
+        cands = _holders(conn, [h.host_id for h in hosts], now)
+        holders = cands.holders
+        keep = None
         if reclaim:
-            holders = [h for h in holders if rows[h.vm_id].tenant_id != t_id
-                       and (rows[h.vm_id].tenant_id in lenders[0]
-                            or (rows[h.vm_id].tenant_id, names.get(rows[h.vm_id].pool_id)) in lenders[1])]
-        found = choose_victims(preq, cls.value, hosts, holders, get_policy("first-fit"),
-                               reclaimable if reclaim else None)
-        if found is not None and reclaim and found.victims and not reclaim_check(conn, t_id, delta, pool.name,
-                                                                                  found.victims):
+            holders = [h for h in holders if cands.rows[h.vm_id].tenant_id != t_id]
+            keep = lender_floor(conn, cands.rows)
+        pre = choose_victims(preq, cls.value, hosts, holders, get_policy("first-fit"),
+                             reclaimable if reclaim else None, keep)
+        if pre is not None and reclaim and pre.victims and not reclaim_check(conn, t_id, delta, pool.name,
+                                                                              pre.victims):
             continue
-        if found is not None:
-            return found, pool, rows
+        if pre is not None:
+            return Found(pre, pool, cands)
     return None
 
 
@@ -549,16 +592,68 @@ def within_guarantee(conn: Connection, tenant_id: int, delta: Mapping[str, int],
                            for key, (used, guarantee) in g.items())
 
 
-def _over_guarantee(conn: Connection) -> tuple[set[int], set[tuple[int, str]]]:
-    """The tenants above a global guarantee now, and the (tenant, pool) pairs above a pool's guarantee."""
-    t = alloc.TENANT
-    over = or_(*(and_(t.c[f"{r}_guarantee"].is_not(None), t.c[f"{r}_used"] > t.c[f"{r}_guarantee"])
-                 for r in alloc.GUARANTEED))
-    tenants = {r[0] for r in conn.execute(select(t.c.id).where(over))}
-    q = alloc.SCOPED
-    pairs = {(r.tenant_id, r.scope) for r in conn.execute(select(q.c.tenant_id, q.c.scope).where(
-        q.c.guarantee.is_not(None), q.c.used > q.c.guarantee))}
-    return tenants, pairs
+def _guarantees(conn: Connection, tenant_ids: Collection[int]) -> dict[int, tuple[dict[str, int], dict[str, int]]]:
+    """Per tenant with a guarantee: (used, guarantee) by `RESOURCE` (global) and `RESOURCE@POOL` (a pool's)."""
+    out: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+    if not tenant_ids:
+        return out
+    for t in conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.id.in_(list(tenant_ids)))):
+        m = t._mapping
+        for r in alloc.GUARANTEED:
+            if m[f"{r}_guarantee"] is not None:
+                used, guarantee = out.setdefault(t.id, ({}, {}))
+                used[r], guarantee[r] = int(m[f"{r}_used"]), int(m[f"{r}_guarantee"])
+    for q in conn.execute(select(alloc.SCOPED).where(alloc.SCOPED.c.tenant_id.in_(list(tenant_ids)),
+                                                     alloc.SCOPED.c.guarantee.is_not(None))):
+        used, guarantee = out.setdefault(q.tenant_id, ({}, {}))
+        used[f"{q.resource}@{q.scope}"], guarantee[f"{q.resource}@{q.scope}"] = int(q.used), int(q.guarantee)
+    return out
+
+
+def _charge(spec: Any, pool: str | None) -> dict[str, int]:
+    """What a VM charges its tenant, by `RESOURCE` and `RESOURCE@POOL` (its pool's)."""
+    delta = dict((spec if isinstance(spec, dict) else {}).get("delta") or {})
+    out = {r: int(n) for r, n in delta.items()}
+    if pool is not None:
+        out.update({f"{r}@{pool}": int(n) for r, n in delta.items()})
+    return out
+
+
+def borrowed_vms(conn: Connection, tenant_ids: Collection[int]) -> set[str]:
+    """The VMs of these tenants that are borrowed now (`core.preemption.borrowed_now`): each tenant's VMs that
+    hold quota, oldest admission first, past a guarantee with their elders' charges; so when a tenant's older VM
+    goes, newer work it holds within the guarantee is guaranteed again."""
+    g = _guarantees(conn, tenant_ids)
+    if not g:
+        return set()
+    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
+    per: dict[int, list[tuple[str, dict[str, int]]]] = {}
+    for r in conn.execute(select(VM.c.id, VM.c.tenant_id, VM.c.spec, VM.c.pool_id)
+                          .outerjoin(VMSCHED, VMSCHED.c.vm_id == VM.c.id)
+                          .where(VM.c.tenant_id.in_(list(g)), VM.c.state.in_(HOLDS_CLAIM))
+                          .order_by(func.coalesce(VMSCHED.c.admitted_at, 0.0), VM.c.id)):
+        per.setdefault(r.tenant_id, []).append((r.id, _charge(r.spec, pools.get(r.pool_id))))
+    out: set[str] = set()
+    for t, charges in per.items():
+        out |= borrowed_now(charges, g[t][1])
+    return out
+
+
+def lender_floor(conn: Connection, rows: Mapping[str, Any]) -> Callable[[Sequence[Holder]], bool]:
+    """The set-wide rule of a reclaim: the victims (of `rows`) leave each lender at or above every guarantee it
+    has (`core.preemption.keeps_floor`), counting what they charge globally and in their pools."""
+    g = _guarantees(conn, {r.tenant_id for r in rows.values()})
+    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
+
+    def keep(victims: Sequence[Holder]) -> bool:
+        freed: dict[int, dict[str, int]] = {}
+        for v in victims:
+            r = rows[v.vm_id]
+            acc = freed.setdefault(r.tenant_id, {})
+            for k, n in _charge(r.spec, pools.get(r.pool_id)).items():
+                acc[k] = acc.get(k, 0) + n
+        return all(keeps_floor(*g[t], f) for t, f in freed.items() if t in g)
+    return keep
 
 
 def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], pool: str,
@@ -597,19 +692,17 @@ def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], po
     return strictly_improves(before, after)
 
 
-def _victims(conn: Connection, found: Preemption, rows: Mapping[str, Any]) -> tuple[Victim, ...]:
-    cls = classes(conn)
+def _victims(conn: Connection, found: Found) -> tuple[Victim, ...]:
     out = []
-    for h in found.victims:
-        r = rows[h.vm_id]
+    for h in found.pre.victims:
+        r = found.cands.rows[h.vm_id]
         tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == r.tenant_id)).scalar()
-        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == r.host_id)).scalar()
-        mode = cls[r.class_name].preemption_mode.value if r.class_name in cls else PreemptionMode.REQUEUE.value
         devices = tuple(f"{d.profile}@{d.pci_address}+{d.start}" for d in conn.execute(
             select(alloc.DEVICE.c.profile, alloc.DEVICE.c.start, alloc.GPU.c.pci_address)
             .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id).where(alloc.DEVICE.c.vm_id == h.vm_id)
             .order_by(alloc.GPU.c.pci_address, alloc.DEVICE.c.start)))
-        out.append(Victim(h.vm_id, str(tenant), r.name, str(host), r.class_name, h.priority, mode, devices))
+        out.append(Victim(h.vm_id, str(tenant), r.name, str(r.host_name), r.class_name, h.priority,
+                          found.cands.modes[h.vm_id], devices))
     return tuple(out)
 
 
@@ -635,11 +728,10 @@ def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
         if found is None:
             found, reason = plan_preemption(ctl, conn, req, cls, pools), "capacity"
         if found is None:
-            raise _no_victims(req, cls)
-        pre, pool, rows = found
-        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
-        return PreemptionPlan(cls.name or None, cls.value, pool.name, host, _victims(conn, pre, rows),
-                              "fits without preemption" if not pre.victims else reason)
+            raise _no_victims(ctl, conn, req, cls, pools)
+        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
+        return PreemptionPlan(cls.name or None, cls.value, found.pool.name, host, _victims(conn, found),
+                              "fits without preemption" if not found.pre.victims else reason)
 
 
 def _no_reclaim(req: VmRequest) -> NoCapacity:
@@ -672,10 +764,17 @@ def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
         raise NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons]) from None
 
 
-def _no_victims(req: VmRequest, cls: PriorityClass) -> NoCapacity:
+def _no_victims(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
+                pools: Sequence[Any]) -> NoCapacity:
+    """Why preempting does not help, naming the preemptible VMs of the request's hosts that no mode frees."""
+    hosts = [h.host_id for p in pools for h in alloc.all_candidates(conn, ctl.catalog, [p.id], req.profiles(),
+                                                                      req.anti_affinity, {p.id: p.name}).hosts]
+    unfreeable = _holders(conn, sorted(set(hosts)), time.time()).unfreeable
+    why = f"; no victim mode fits: {'; '.join(unfreeable)}" if unfreeable else ""
     return NoCapacity(f"preempting does not help: no set of preemptible VMs of priority below {cls.value} "
-                      f"({cls.name or 'no class'}) frees room for VM {req.name!r} by geometry",
-                      reasons=[{"kind": "preemption", "priority": cls.value, "priority_class": cls.name or None}])
+                      f"({cls.name or 'no class'}) frees room for VM {req.name!r} by geometry{why}",
+                      reasons=[{"kind": "preemption", "priority": cls.value, "priority_class": cls.name or None,
+                                "unfreeable": unfreeable}])
 
 
 def wants_preemption(cls: PriorityClass, preempt: bool | None) -> bool:
@@ -717,61 +816,72 @@ def _requeue_request(vm: Any, tenant: str, victim: Victim, preemptor: int, coold
 
 
 def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "capacity") -> PreemptionPlan:
-    """Free the victims that let the request fit: each audited (preemptor, victims, reason), shut down with the
-    grace period, then requeued (its request queued again at its priority, with a cool-down) or cancelled; the
-    plan carried out. NoCapacity when no allowed set makes room."""
-    from vgpu_ctl.service.provision import domain_name, release_vm
+    """Free the victims that let the request fit: each audited (preemptor, victims, reason, mode), then freed by
+    its mode: requeued (shut down with the grace period, released, its request queued again at its priority with
+    a cool-down), hibernated (managed save, its devices kept, queued to resume) or cancelled (shut down and
+    released); the plan carried out. NoCapacity when no allowed set makes room."""
     with ctl.engine.connect() as conn:
         pools = _pools_for(ctl, conn, req)
         found = plan_preemption(ctl, conn, req, cls, pools, reclaim=reason == "reclaim")
-        if found is None or not found[0].victims:
+        if found is None or not found.pre.victims:
             if found is None:
-                raise _no_reclaim(req) if reason == "reclaim" else _no_victims(req, cls)
-            host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found[0].plan.host_id)).scalar()
-            return PreemptionPlan(cls.name or None, cls.value, found[1].name, host, (), "fits without preemption")
-        pre, pool, rows = found
-        victims = _victims(conn, pre, rows)
-        host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == pre.plan.host_id)).scalar()
+                raise _no_reclaim(req) if reason == "reclaim" else _no_victims(ctl, conn, req, cls, pools)
+            host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
+            return PreemptionPlan(cls.name or None, cls.value, found.pool.name, host, (), "fits without preemption")
+        victims = _victims(conn, found)
+        host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
         conf = settings(conn)
-    result = PreemptionPlan(cls.name or None, cls.value, pool.name, host_name, victims, reason)
+    result = PreemptionPlan(cls.name or None, cls.value, found.pool.name, host_name, victims, reason)
     with ctl.tx() as conn:  # the whole story for the admin; each tenant sees only its own side (below)
         record(conn, ctl.principal.actor, "vm.preempt", f"vm:{req.tenant}/{req.name}", tenant=None,
                params={"preemptor": {"tenant": req.tenant, "name": req.name, "priority_class": cls.name or None,
                                      "priority": cls.value},
-                       "victims": [v.to_dict() for v in victims], "reason": reason, "pool": pool.name,
+                       "victims": [v.to_dict() for v in victims], "reason": reason, "pool": found.pool.name,
                        "host": host_name})
-    system = ctl.acting_as(Principal(f"{ctl.principal.actor} (preemption)"))
     for v in victims:
-        with ctl.engine.connect() as conn:
-            vm = conn.execute(select(VM).where(VM.c.id == v.vm_id)).first()
-            host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).first() if vm else None
-            hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
-        if vm is None or host is None:
-            continue  # gone meanwhile: it freed its room already
-        queued = _requeue_request(vm, v.tenant, v, cls.value, conf["cooldown_s"],
-                                  {"preemptions": hist.preemptions if hist else 0}) \
-            if v.mode == PreemptionMode.REQUEUE.value else None
-        op_id = None
-        if queued is not None:  # queued first: a crash after it loses no victim (admission waits for the VM to go)
-            with ctl.tx() as conn:
-                op_id = _enqueue(conn, Principal(ctl.principal.actor), vm.tenant_id, queued, v.vm_id)
-        try:
-            forced = grace_stop(ctl, host, domain_name(vm), conf["grace_s"]) if vm.state == "running" else False
-            release_vm(system, v.vm_id)
-        except VgpuCtlError as exc:  # changed meanwhile, or its host failed: it stays, and is not requeued
-            with ctl.tx() as conn:
-                if op_id is not None:
-                    _drop_queued(conn, op_id, f"the preemption of VM {v.name!r} failed: {exc.message}")
-                record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
-                       params={"name": v.name, "mode": v.mode, "reason": reason,
-                               "preemptor_class": cls.name or None, "preemptor_priority": cls.value},
-                       result="failed", error=exc.message)
-            continue
-        with ctl.tx() as conn:
-            record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
-                   params={"name": v.name, "mode": v.mode, "reason": reason, "forced": forced,
-                           "preemptor_class": cls.name or None, "preemptor_priority": cls.value})
+        _free_victim(ctl, v, cls, reason, conf)
     return result
+
+
+def _free_victim(ctl: Controller, v: Victim, cls: PriorityClass, reason: str, conf: Mapping[str, float]) -> None:
+    """Free one victim by its mode, its request queued first (to run again, or to resume) so a crash loses no
+    victim; audited `vm.preempted` in its tenant, `failed` (and not queued) when it could not be freed."""
+    from vgpu_ctl.service.provision import domain_name, release_vm
+    with ctl.engine.connect() as conn:
+        vm = conn.execute(select(VM).where(VM.c.id == v.vm_id)).first()
+        host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).first() if vm else None
+        hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
+    if vm is None or host is None:
+        return  # gone meanwhile: it freed its room already
+    queued = None
+    if v.mode in (PreemptionMode.REQUEUE.value, PreemptionMode.HIBERNATE.value):
+        queued = _requeue_request(vm, v.tenant, v, cls.value, conf["cooldown_s"],
+                                  {"preemptions": hist.preemptions if hist else 0})
+        queued["resume"] = v.mode == PreemptionMode.HIBERNATE.value
+    op_id = None
+    if queued is not None:  # queued first: a crash after it loses no victim (admission waits for the VM to go)
+        with ctl.tx() as conn:
+            op_id = _enqueue(conn, Principal(ctl.principal.actor), vm.tenant_id, queued, v.vm_id)
+    forced = False
+    try:
+        if v.mode == PreemptionMode.HIBERNATE.value:
+            hibernate(ctl, v.vm_id)
+        else:
+            forced = grace_stop(ctl, host, domain_name(vm), conf["grace_s"]) if vm.state == "running" else False
+            release_vm(ctl.acting_as(Principal(f"{ctl.principal.actor} (preemption)")), v.vm_id)
+    except VgpuCtlError as exc:  # changed meanwhile, or its host failed: it stays, and is not queued
+        with ctl.tx() as conn:
+            if op_id is not None:
+                _drop_queued(conn, op_id, f"the preemption of VM {v.name!r} failed: {exc.message}")
+            record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
+                   params={"name": v.name, "mode": v.mode, "reason": reason,
+                           "preemptor_class": cls.name or None, "preemptor_priority": cls.value},
+                   result="failed", error=exc.message)
+        return
+    with ctl.tx() as conn:
+        record(conn, ctl.principal.actor, "vm.preempted", f"vm:{v.vm_id}", tenant=v.tenant,
+               params={"name": v.name, "mode": v.mode, "reason": reason, "forced": forced,
+                       "preemptor_class": cls.name or None, "preemptor_priority": cls.value})
 
 
 # -- the queue --------------------------------------------------------------------------------------------------
@@ -880,17 +990,8 @@ def admit_queued(ctl: Controller) -> list[str]:
                 record(conn, ctl.principal.actor, "vm.dequeue", f"operation:{row.id}", tenant=q["tenant"],
                        params={"name": q["name"], "reason": "deadline"})
             continue
-        if row.vm_id is not None and q.get("requeued"):
-            with ctl.engine.connect() as conn:
-                still = conn.execute(select(VM.c.state, VM.c.lease_holder).where(VM.c.id == row.vm_id)).first()
-            young = time.time() - row.created_at.timestamp() < wait_s
-            if still is not None and (still.state == VmState.RELEASING or young):
-                continue  # the victim is still being stopped or released: it waits for that
-            if still is not None:  # the preemption never freed it (a crash before its release): nothing to do
-                with ctl.tx() as conn:
-                    _drop_queued(conn, row.id, f"VM {q['name']!r} was not preempted after all; it still holds "
-                                               "its devices")
-                continue
+        if row.vm_id is not None and q.get("requeued") and not _victim_gone(ctl, row, q, wait_s):
+            continue
         claim_holder = f"admit-{uuid.uuid4()}"
         with ctl.tx() as conn:  # take it: one admitter per queued request
             took = conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.state == "pending",
@@ -905,20 +1006,7 @@ def admit_queued(ctl: Controller) -> list[str]:
         actor = ctl.acting_as(askers[row.id])
         state, result, error = "pending", None, None
         try:
-            try:
-                vm = admit(actor, req)
-            except NoCapacity as refused:
-                vm = None
-                if may_reclaim(actor, req, q.get("preempt")):
-                    with contextlib.suppress(NoCapacity):  # within its guarantee: what others borrow comes back
-                        preempt(actor, req, cls, "reclaim")
-                        vm = admit(actor, req)
-                if vm is None:
-                    if not wants_preemption(cls, q.get("preempt")):
-                        raise refused from None
-                    # a waiting request whose class preempts does not wait while lower preemptible VMs hold its room
-                    preempt(actor, req, cls, "capacity")
-                    vm = admit(actor, req)
+            vm = _admit_one(actor, req, cls, q)
             state, result = "succeeded", vm.to_dict()
             admitted.append(vm.id)
         except Refused as exc:
@@ -938,6 +1026,49 @@ def admit_queued(ctl: Controller) -> list[str]:
                        tenant=q["tenant"], params={"operation": row.id, "name": q["name"],
                                                    "requeued": bool(q.get("requeued"))})
     return admitted
+
+
+def _victim_gone(ctl: Controller, row: Any, q: Mapping[str, Any], wait_s: float) -> bool:
+    """Whether a preempted victim's queued request may be tried now: a requeued VM must be gone (released), a
+    hibernated one hibernated. While its preemption may still run (releasing, or younger than `wait_s`) it
+    waits; past that, a victim the preemption never freed (a crash, a failed save) or a hibernated VM deleted
+    meanwhile drops its request."""
+    with ctl.engine.connect() as conn:
+        still = conn.execute(select(VM.c.state).where(VM.c.id == row.vm_id)).first()
+    if q.get("resume") and still is not None and still.state == VmState.HIBERNATED:
+        return True
+    if not q.get("resume") and still is None:
+        return True
+    if still is not None and (still.state == VmState.RELEASING or
+                              time.time() - row.created_at.timestamp() < wait_s):
+        return False  # the victim is still being stopped, released or saved: it waits for that
+    why = (f"VM {q['name']!r} was deleted while hibernated" if still is None else
+           f"VM {q['name']!r} was not preempted after all; it still holds its devices" if not q.get("resume") else
+           f"VM {q['name']!r} was not hibernated after all; it is {still.state}")
+    with ctl.tx() as conn:
+        _drop_queued(conn, row.id, why)
+    return False
+
+
+def _admit_one(ctl: Controller, req: VmRequest, cls: PriorityClass, q: Mapping[str, Any]) -> Any:
+    """Admit one queued request now, its VmInfo: a hibernated victim resumes on its host; any other is claimed
+    and provisioned, reclaiming what others borrow when it stays within its tenant's guarantee, else preempting
+    when its class preempts. Refused when it still does not fit."""
+    if q.get("resume"):
+        resume(ctl, req.vm_id or "", q.get("history"))
+        return ctl.get_vm(req.vm_id or "")
+    try:
+        return admit(ctl, req)
+    except NoCapacity as refused:
+        if may_reclaim(ctl, req, q.get("preempt")):
+            with contextlib.suppress(NoCapacity):  # within its guarantee: what others borrow comes back
+                preempt(ctl, req, cls, "reclaim")
+                return admit(ctl, req)
+        if not wants_preemption(cls, q.get("preempt")):
+            raise refused from None
+        # a waiting request whose class preempts does not wait while lower preemptible VMs hold its room
+        preempt(ctl, req, cls, "capacity")
+        return admit(ctl, req)
 
 
 def capacity_freed(ctl: Controller) -> list[str]:

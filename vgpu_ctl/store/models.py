@@ -48,6 +48,8 @@ class Host(SQLModel, table=True):
     used_vcpus: int = Field(default=0, sa_type=BigInteger)
     used_memory_mib: int = Field(default=0, sa_type=BigInteger)
     state: str = "active"
+    # Per profile name ('*': every profile) the modes a preempted VM here may be freed by (NULL: the defaults).
+    victim_modes: dict[str, list[str]] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Gpu(SQLModel, table=True):
@@ -159,7 +161,7 @@ class Vm(SQLModel, table=True):
         CheckConstraint("vcpus > 0 AND memory_mib > 0", name="vm_size_pos"),
         CheckConstraint(
             "state IN ('requested', 'placed', 'devices-ready', 'defined', 'running', 'stopped', "
-            "'releasing', 'failed')", name="vm_state_known"),
+            "'releasing', 'failed', 'hibernated')", name="vm_state_known"),
     )
 
     id: str = Field(primary_key=True)
@@ -335,7 +337,7 @@ class PriorityClass(SQLModel, table=True):
     __table_args__ = (
         CheckConstraint("value >= 0 AND value <= 1000000000", name="priority_class_value_range"),
         CheckConstraint("preemption_policy IN ('never', 'lower-priority')", name="priority_class_policy_known"),
-        CheckConstraint("preemption_mode IN ('requeue', 'cancel')", name="priority_class_mode_known"),
+        CheckConstraint("preemption_mode IN ('requeue', 'cancel', 'hibernate')", name="priority_class_mode_known"),
         Index("priority_class_one_default", "is_default", unique=True, sqlite_where=text("is_default"),
               postgresql_where=text("is_default")),
     )
@@ -410,9 +412,6 @@ class VmSched(SQLModel, table=True):
     preemptions: int = 0
     protected_below: int | None = Field(default=None, sa_type=BigInteger)
     protected_until: float | None = None
-    # Claimed while its tenant's usage (after the claim's charge) was above a guarantee: reclaimable. Set by the
-    # claim from the tenant's rows under their lock; a trigger refuses a row whose flag disagrees with them.
-    borrowed: bool = False
 
 
 class UsageInterval(SQLModel, table=True):
