@@ -21,7 +21,7 @@ def test_controller_connections_leave_checkpoints_to_the_thread(tmp_path: Path,
     try:
         with ctl.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == 0
-        checkpointer = ctl.ctx._checkpointer
+        checkpointer = ctl.ctx.db.checkpointer
         assert checkpointer is not None
         before = checkpointer.checkpoints
         ctl.apply_inventory(DEMO)  # writes pages to the log
@@ -33,7 +33,7 @@ def test_controller_connections_leave_checkpoints_to_the_thread(tmp_path: Path,
         assert busy == 0 and log == done  # nothing left behind in the log
     finally:
         ctl.close()
-    assert not ctl.ctx._checkpointer._thread.is_alive()  # type: ignore[union-attr]
+    assert not ctl.ctx.db.checkpointer._thread.is_alive()  # type: ignore[union-attr]
 
 
 def test_other_engines_keep_sqlite_automatic_checkpoints(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_a_controller_dropped_without_close_stops_its_thread(tmp_path: Path,
 
     monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "state"))
     ctl = Controller(f"sqlite:///{tmp_path / 'd.db'}")
-    checkpointer = ctl.ctx._checkpointer
+    checkpointer = ctl.ctx.db.checkpointer
     assert checkpointer is not None and checkpointer._thread.is_alive()
     del ctl
     gc.collect()

@@ -68,7 +68,7 @@ def test_controller_writes_take_the_turn(tmp_path: Path, monkeypatch: pytest.Mon
     ctl = Controller(f"sqlite:///{tmp_path / 'c.db'}")
     try:
         turns: list[int] = []
-        queue = ctl.ctx._writers
+        queue = ctl.ctx.db._writers
         assert queue is not None
         real = queue.turn
 

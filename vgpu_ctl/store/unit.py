@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from vgpu_ctl.store.models import utcnow as utcnow  # the store's clock (aware UTC), for times the service sets
 
 Tx: TypeAlias = Connection
+StoreEngine: TypeAlias = Engine  # an opened store, for the callers that hand one in (tests, tools)
 StoreError: TypeAlias = SQLAlchemyError  # what the store raises when it can't be read or written
 
 
-__all__ = ["StoreError", "Tx", "utcnow"]
+__all__ = ["StoreEngine", "StoreError", "Tx", "utcnow"]
