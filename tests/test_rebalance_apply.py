@@ -161,19 +161,24 @@ def test_a_tenant_token_may_not_apply(cli: Cli) -> None:
     assert json.loads(result.stdout)["error"]["code"] == "permission_denied"
 
 
+def seed_two_hosts(c: Controller, folder: Path) -> None:
+    """Two simulated hosts of one L40S each in a spread pool, a VM on each (tenant acme, a quota set)."""
+    c.apply_inventory(write_inventory(folder, TWO_HOSTS))
+    c.create_tenant("acme")
+    c.set_quota("acme", {"vms": 10, "vcpus": 64})
+    c.set_quota("acme", {"vgpus": 4}, pool="ws")
+    c.request_vm("acme", "a", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
+    c.request_vm("acme", "b", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
+    assert {c.get_vm("acme/a").host, c.get_vm("acme/b").host} == {"sim-a", "sim-b"}
+
+
 @pytest.fixture
 def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
-    """Two simulated hosts of one L40S each in a spread pool, a VM on each (tenant acme, a quota set)."""
+    """`seed_two_hosts` on a SQLite store under tmp_path: its URL and the hosts' state folder."""
     monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path))
     url = f"sqlite:///{tmp_path / 'rb.db'}"
     with Controller(url, state_path=tmp_path) as c:
-        c.apply_inventory(write_inventory(tmp_path, TWO_HOSTS))
-        c.create_tenant("acme")
-        c.set_quota("acme", {"vms": 10, "vcpus": 64})
-        c.set_quota("acme", {"vgpus": 4}, pool="ws")
-        c.request_vm("acme", "a", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
-        c.request_vm("acme", "b", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
-        assert {c.get_vm("acme/a").host, c.get_vm("acme/b").host} == {"sim-a", "sim-b"}
+        seed_two_hosts(c, tmp_path)
     return url, tmp_path
 
 

@@ -1,12 +1,15 @@
 """`vgpuctl rebalance`: the store's fleet and VMs as planning values (read only) for the rebalance planner, and
-the moves of a plan carried out one at a time, each audited (`vm.move`) and undone on failure."""
+the moves of a plan carried out one at a time, each audited (`vm.move`) and undone on failure; each move's
+progress is kept in the store (`vm_move`), so reconcile finishes or rolls back one a crash interrupted."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.backings import backing_for
@@ -21,11 +24,14 @@ from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
 from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.service.leases import Renewal, new_holder, take
 from vgpu_ctl.service.quotas import VM
-from vgpu_ctl.store.models import utcnow
+from vgpu_ctl.store.models import VmMove, utcnow
 
 if TYPE_CHECKING:
     from vgpu_ctl.planning.demand import Demand
     from vgpu_ctl.service.controller import Controller
+
+MOVE = VmMove.__table__  # type: ignore[attr-defined]
+CRASH_ENV = "VGPU_CTL_FAULT_MOVE"  # tests only: a move point (stopped, claimed, ...) where the process kills itself
 
 
 def _admin(ctl: Controller, what: str) -> None:
@@ -94,7 +100,8 @@ def plan_dict(plan: RebalancePlan, source: str = "") -> dict[str, Any]:
     return {"fleet": source or plan.before.source, **plan.to_dict()}
 
 
-__all__ = ["advised_targets", "apply_moves", "move_vm", "plan_dict", "plan_rebalance", "store_vms"]
+__all__ = ["advised_targets", "apply_moves", "move_vm", "pending_moves", "plan_dict", "plan_rebalance", "resume_move",
+           "store_vms"]
 
 
 # -- carrying a plan out ------------------------------------------------------------------------------------------
@@ -179,13 +186,26 @@ def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Mov
     return new_host, [r["id"] for r in made]
 
 
+def _crash_point(point: str) -> None:
+    """Tests only: kill this process (as kill -9 would) at `point` of a move when VGPU_CTL_FAULT_MOVE names it."""
+    if os.environ.get(CRASH_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step(conn: Connection, vm_id: str, step: str, **values: Any) -> None:
+    """Record that the VM's move reached `step` (inside the transaction of that step)."""
+    conn.execute(update(MOVE).where(MOVE.c.vm_id == vm_id).values(step=step, updated_at=utcnow(), **values))
+
+
 def move_vm(ctl: Controller, m: Move) -> None:
     """Move one VM as the plan says, under its lease: stop it (gracefully, then forced after the grace period),
     claim the new positions beside the old ones, create its devices and define its domain there, start it (when
     it was running), then free the old claim (host side, then store) and record `vm.move` with from and to.
-    If a step before the start fails, what the new place got is undone, the old claim is kept, the VM is started
-    where it was, `vm.move` is recorded as failed, and HostError (Conflict when the store changed) is raised."""
-    from vgpu_ctl.service.provision import device_spec, domain_name, remove_devices, render_vm
+    Each step's progress is kept in `vm_move` in that step's transaction, so reconcile can finish or undo a move
+    a crash interrupted (`resume_move`). If a step before the start fails, what the new place got is undone, the
+    old claim is kept, the VM is started where it was, `vm.move` is recorded as failed, and HostError (Conflict
+    when the store changed) is raised."""
+    from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
     from vgpu_ctl.service.scheduling import grace_stop, settings
 
     holder = new_holder()
@@ -196,11 +216,15 @@ def move_vm(ctl: Controller, m: Move) -> None:
         old_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).one()
         old_devs = _devices(conn, vm.id)
         _check_from(vm, old_host, old_devs, m)  # raised here, the lease is not taken (the transaction rolls back)
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
         grace_s = settings(conn)["grace_s"]
+        params = {"name": vm.name, "from": _side(m.from_host, m.from_devices), "to": _side(m.to_host, m.to_devices),
+                  "frees": m.frees}
+        conn.execute(MOVE.insert().values(vm_id=vm.id, step="stopping", from_host_id=old_host.id,
+                                          old_devices=[d.id for d in old_devs], new_devices=[],
+                                          was_running=vm.state == VmState.RUNNING, params=params,
+                                          started_at=utcnow(), updated_at=utcnow()))
     name = domain_name(vm)
     was_running = vm.state == VmState.RUNNING
-    old_driver = ctl.hosts.get(old_host)
     new_host: Any = None
     new_ids: list[str] = []
     ready: list[Any] = []
@@ -209,8 +233,11 @@ def move_vm(ctl: Controller, m: Move) -> None:
         try:
             if was_running:
                 grace_stop(ctl, old_host, name, grace_s)
+            _crash_point("stopped")
             with ctl.tx() as conn:
                 new_host, new_ids = _claim_new(ctl, conn, vm, old_host, m)
+                _step(conn, vm.id, "claimed", to_host_id=new_host.id, new_devices=new_ids)
+            _crash_point("claimed")
             new_driver = ctl.hosts.get(new_host)
             with ctl.engine.connect() as conn:
                 new_devs = [d for d in _devices(conn, vm.id) if d.id in new_ids]
@@ -223,54 +250,69 @@ def move_vm(ctl: Controller, m: Move) -> None:
                         state="ready", handle={"backing": handle.backing.value, "uuid": handle.uuid,
                                                "pci_address": handle.pci_address,
                                                "gpu_instance_id": handle.gpu_instance_id}))
+            _crash_point("created")
             with ctl.engine.connect() as conn:
                 xml = render_vm(ctl, conn, vm.id, only=new_ids)
             tried = True  # another host may hold a domain from here on (undone by undefining it there)
             dom_uuid = new_driver.define_domain(xml)
             defined = True  # on the same host, the old definition is replaced from here on
+            _crash_point("defined")
+            with ctl.tx() as conn:
+                _step(conn, vm.id, "defined", domain_uuid=dom_uuid)
             if was_running:
                 started = True
                 new_driver.start_domain(name)
+            _crash_point("started")
+            with ctl.tx() as conn:
+                _step(conn, vm.id, "done")
+            _crash_point("done")
         except Exception as exc:
             error = exc.message if isinstance(exc, VgpuCtlError) else f"{type(exc).__name__}: {exc}"
-            notes = _undo_move(ctl, vm, old_host, new_host, new_ids, ready, (tried, defined, started),
-                               was_running, holder)
-            with ctl.tx() as conn:
-                record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, result="failed",
-                       error=error + ("; undo: " + "; ".join(notes) if notes else ""),
-                       params={"name": vm.name, "from": _side(m.from_host, m.from_devices),
-                               "to": _side(m.to_host, m.to_devices), "frees": m.frees})
+            _undo_move(ctl, vm, old_host, new_host, new_ids, ready, (tried, defined, started), was_running, holder,
+                       error, params)
             if isinstance(exc, Conflict):
                 raise
             raise HostError(f"moving VM {m.tenant}/{m.name} to {m.to_host} failed and was undone (it is "
                             f"{'running' if was_running else 'stopped'} where it was): {error}",
                             reasons=[{"vm": m.vm, "host": m.to_host}]) from exc
-        # The VM runs at its new place: the old claim goes, host side first (errors noted, nothing undone).
-        errors = []
+        _finish_move(ctl, vm, old_host, new_host, old_devs, dom_uuid, holder, {**params, "running": was_running})
+
+
+def _finish_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, old_devs: Sequence[Any], dom_uuid: str | None,
+                 holder: str, params: dict[str, Any], note: str | None = None) -> None:
+    """The VM runs (or is defined) at its new place: the old claim goes, host side first (errors noted, nothing
+    undone), then in one transaction the old devices and host room, the VM's new place, the move's row, and
+    `vm.move` (with `note`, when reconcile finished it)."""
+    from vgpu_ctl.service.provision import domain_name, remove_devices
+
+    old_driver = ctl.hosts.get(old_host)
+    errors = [note] if note else []
+    if new_host.id != old_host.id:
+        try:
+            old_driver.undefine_domain(domain_name(vm))
+        except Exception as exc:
+            errors.append(f"undefine domain on {old_host.name}: {exc}")
+    errors += remove_devices(ctl, old_driver, old_devs)
+    _crash_point("removed")
+    with ctl.tx() as conn:
+        alloc.free_devices(conn, ctl.catalog, [d._mapping for d in old_devs])
         if new_host.id != old_host.id:
-            try:
-                old_driver.undefine_domain(name)
-            except Exception as exc:
-                errors.append(f"undefine domain on {old_host.name}: {exc}")
-        errors += remove_devices(ctl, old_driver, old_devs)
-        with ctl.tx() as conn:
-            alloc.free_devices(conn, ctl.catalog, [d._mapping for d in old_devs])
-            if new_host.id != old_host.id:
-                alloc.release_host(conn, old_host.id, vm.vcpus, vm.memory_mib)
-            conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
-                host_id=new_host.id, domain_uuid=dom_uuid, lease_holder=None, lease_expires=None,
-                updated_at=utcnow()))
-            record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant,
-                   error="; ".join(errors) or None,
-                   params={"name": vm.name, "from": _side(m.from_host, m.from_devices),
-                           "to": _side(m.to_host, m.to_devices), "frees": m.frees, "running": was_running})
+            alloc.release_host(conn, old_host.id, vm.vcpus, vm.memory_mib)
+        conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
+            host_id=new_host.id, domain_uuid=dom_uuid, lease_holder=None, lease_expires=None, updated_at=utcnow()))
+        conn.execute(delete(MOVE).where(MOVE.c.vm_id == vm.id))
+        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, error="; ".join(errors) or None,
+               params=params)
 
 
 def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: Sequence[str], ready: Sequence[Any],
-               steps: tuple[bool, bool, bool], was_running: bool, holder: str) -> list[str]:
-    """Take back what a failed move gave the new place (domain, devices, claim) and start the VM where it was;
-    `steps`: whether the new domain's definition was tried, done, and its start tried. What could not be done,
-    in words (each step still tried)."""
+               steps: tuple[bool, bool, bool], was_running: bool, holder: str, error: str,
+               params: dict[str, Any]) -> list[str]:
+    """Take back what a failed move gave the new place (domain, devices, claim) and start the VM where it was
+    (unless it runs there already); `steps`: whether the new domain's definition was tried, done, and its start
+    tried. The VM's state, lease and move row, and `vm.move` failed with `error` and what could not be undone, in
+    one last transaction. What could not be done, in words (each step still tried)."""
     from vgpu_ctl.service.provision import domain_name, remove_devices, render_vm
 
     notes: list[str] = []
@@ -302,15 +344,76 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
                 alloc.free_devices(conn, ctl.catalog, rows)
                 if not same:
                     alloc.release_host(conn, new_host.id, vm.vcpus, vm.memory_mib)
+    start_failed = False
     if was_running:
+        old_driver = ctl.hosts.get(old_host)
         try:
-            ctl.hosts.get(old_host).start_domain(name)
+            if not any(d.name == name and d.active for d in old_driver.list_domains()):
+                old_driver.start_domain(name)
         except Exception as exc:
             notes.append(f"start on {old_host.name}: {exc}")
+            start_failed = True
     with ctl.tx() as conn:
-        state = vm.state
-        if was_running and notes and notes[-1].startswith("start on"):
-            state = VmState.STOPPED.value
         conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
-            state=state, lease_holder=None, lease_expires=None, updated_at=utcnow()))
+            state=VmState.STOPPED.value if start_failed else vm.state, lease_holder=None, lease_expires=None,
+            updated_at=utcnow()))
+        conn.execute(delete(MOVE).where(MOVE.c.vm_id == vm.id))
+        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, result="failed",
+               error=error + ("; undo: " + "; ".join(notes) if notes else ""), params=params)
     return notes
+
+
+# -- moves a crash interrupted -----------------------------------------------------------------------------------
+
+def pending_moves(conn: Connection) -> list[Any]:
+    """Every move under way or interrupted, with its VM's name, state and lease, and the hosts' names."""
+    to_host = alloc.HOST.alias("to_host")
+    return list(conn.execute(
+        select(MOVE, VM.c.name, VM.c.state, VM.c.lease_holder, VM.c.lease_expires,
+               alloc.HOST.c.name.label("from_host"), to_host.c.name.label("to_host"))
+        .join(VM, VM.c.id == MOVE.c.vm_id).join(alloc.HOST, alloc.HOST.c.id == MOVE.c.from_host_id)
+        .outerjoin(to_host, to_host.c.id == MOVE.c.to_host_id).order_by(MOVE.c.started_at)).all())
+
+
+def resume_move(ctl: Controller, vm_id: str) -> str:
+    """Settle a move whose process stopped (admin; its VM's lease no longer held): from step `done` finish it
+    (the old claim goes), before that roll it back (what the new place got goes, the VM starts where it was, as
+    it was). Either way the VM ends on exactly one placement, with `vm.move` recorded. "finished" or "rolled
+    back"; Conflict when a live process still holds the VM, when it is no longer running or stopped, or when
+    no move of it is recorded."""
+    from vgpu_ctl.service.provision import domain_name
+
+    _admin(ctl, "reconcile")
+    holder = new_holder()
+    with ctl.tx() as conn:
+        mv = conn.execute(select(MOVE).where(MOVE.c.vm_id == vm_id)).first()
+        if mv is None:
+            raise Conflict(f"no move of VM {vm_id} is recorded", reasons=[{"vm": vm_id}])
+        vm = take(conn, vm_id, holder, LIVE, what="finish the move of")
+        if vm is None:
+            raise Conflict(f"VM {vm_id} is no longer running or stopped", reasons=[{"vm": vm_id}])
+        old_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == mv.from_host_id)).one()
+        new_host = None if mv.to_host_id is None else conn.execute(
+            select(alloc.HOST).where(alloc.HOST.c.id == mv.to_host_id)).one()
+        devs = _devices(conn, vm_id)
+    note = f"interrupted at step {mv.step} (its process stopped); "
+    with Renewal(ctl, vm_id, holder):
+        if mv.step == "done":
+            _finish_move(ctl, vm, old_host, new_host, [d for d in devs if d.id in mv.old_devices], mv.domain_uuid,
+                         holder, {**mv.params, "running": mv.was_running}, note + "finished by reconcile")
+            return "finished"
+        new = [d for d in devs if d.id in mv.new_devices]
+        steps = (False, False, False)
+        if new_host is not None:
+            driver = ctl.hosts.get(new_host)
+            on_host = {d.uuid for d in driver.list_devices()}
+            new = [d for d in new if d.uuid in on_host]  # only what was made there; the rest is store only
+            there = [d for d in driver.list_domains() if d.name == domain_name(vm)]
+            same = new_host.id == old_host.id
+            # the same host: its old definition back whatever the step; another: only a domain it has. Past the
+            # claim the old domain was stopped, so a domain running there now runs the new devices: stopped.
+            steps = (bool(there) or same, bool(there) or same, any(d.active for d in there))
+        _undo_move(ctl, vm, old_host, new_host, list(mv.new_devices), new, steps, mv.was_running, holder,
+                   note + "rolled back by reconcile", mv.params)
+        return "rolled back"

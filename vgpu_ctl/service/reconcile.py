@@ -1,8 +1,8 @@
 """Reconcile: compare the store with what the hosts really have, report drift, and with fix repair it.
 
 It never removes a device that a defined domain uses, and never touches a domain it did not write. A VM in
-the middle of an operation is reported in progress while a live process holds its lease, and finished (or
-rolled back) at once when none does.
+the middle of an operation (a rebalance move included) is reported in progress while a live process holds its
+lease, and finished (or rolled back) at once when none does.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
     does not know is adopted (claimed again as its metadata records it) when `confirm_adopt(finding)` says
     yes; else a running one is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
     report = ReconcileReport()
+    moving = _moves(ctl, report, fix)
     with ctl.engine.connect() as conn:
         hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
         vms = conn.execute(select(VM)).all()
@@ -103,6 +104,8 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
         for vm in vms_on.get(host.id, ()):
+            if vm.id in moving:  # devices on two hosts until its move is settled: reported above
+                continue
             report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, uuids_of.get(vm.id, set()),
                                              fix, {d.name for d in domains if d.active}))
     if fix and report.findings:
@@ -110,6 +113,35 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
             record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
                    params={"findings": len(report.findings), "fixed": sum(f.fixed for f in report.findings)})
     return report
+
+
+def _moves(ctl: Controller, report: ReconcileReport, fix: bool) -> set[str]:
+    """Rebalance moves under way or interrupted (service.rebalance): one a live process holds is in progress;
+    one no process holds is `interrupted-move`, which fix finishes (from step done) or rolls back (before). The
+    VMs whose move is not settled, which the other checks leave alone."""
+    from vgpu_ctl.service.rebalance import pending_moves, resume_move
+
+    with ctl.engine.connect() as conn:
+        pending = pending_moves(conn)
+    moving = set()
+    for mv in pending:
+        where = f"{mv.from_host} -> {mv.to_host or '(not claimed yet)'}"
+        if is_held(mv.lease_holder, mv.lease_expires):
+            report.findings.append(Finding("in-progress", mv.from_host, f"vm:{mv.vm_id}",
+                                           f"VM {mv.name} is being moved ({where}, step {mv.step}) by process "
+                                           f"{mv.lease_holder}", action="wait"))
+            moving.add(mv.vm_id)
+            continue
+        forward = mv.step == "done"
+        f = Finding("interrupted-move", mv.from_host, f"vm:{mv.vm_id}",
+                    f"VM {mv.name}: its rebalance move ({where}) stopped at step {mv.step} (no process holds it)",
+                    action="finish move" if forward else "roll back move")
+        if fix:
+            _try(f, partial(resume_move, ctl, mv.vm_id))
+        if not f.fixed:
+            moving.add(mv.vm_id)
+        report.findings.append(f)
+    return moving
 
 
 def _roll_back(ctl: Controller, vm: Any) -> None:

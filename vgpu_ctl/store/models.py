@@ -475,6 +475,27 @@ class UtilizationSample(SQLModel, table=True):
     sample: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
 
 
+class VmMove(SQLModel, table=True):
+    """A rebalance move under way (service.rebalance): written with the VM's lease, advanced in each step's
+    transaction (`stopping`, `claimed`, `defined`, `done`), deleted with the old claim. Reconcile finishes one from
+    `done`, or rolls it back before, once no live process holds the VM (migration 0013)."""
+
+    __tablename__ = "vm_move"
+    __table_args__ = (CheckConstraint("step IN ('stopping', 'claimed', 'defined', 'done')", name="vm_move_step_known"),)
+
+    vm_id: str = Field(primary_key=True, foreign_key="vm.id", ondelete="CASCADE")
+    step: str
+    from_host_id: int = Field(foreign_key="host.id")
+    to_host_id: int | None = Field(default=None, foreign_key="host.id")
+    old_devices: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    new_devices: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    was_running: bool
+    domain_uuid: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    started_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
 
 class FitBit(SQLModel, table=True):
     """The bits of a fit mask (core.geometry.FIT_BITS rows, written by migration 0009): what lets SQL split a mask."""
