@@ -81,6 +81,7 @@ def test_tenant_cannot_create_vms_for_another(store: Store) -> None:
     ["tenant", "token", "globex"],
     ["tenant", "token", "globex", "--revoke"],
     ["metrics", "dump"],
+    ["metrics", "sample"],
     ["doctor"],
     ["db", "backup", "/tmp/vgpuctl-isolation-backup.db"],
 ])

@@ -132,7 +132,7 @@ def test_refusals_print_the_same_with_the_same_exit_code(shared_server: RunningS
 
 @pytest.mark.parametrize("args", [("db", "backup", "BACKUP"), ("init",), ("host", "check", "kvm-a100-01"),
                                   ("host", "discover", "test:///default"), ("serve",), ("metrics", "serve"),
-                                  ("db", "repair-usage")])
+                                  ("metrics", "sample"), ("db", "repair-usage")])
 def test_commands_of_the_stores_machine_are_refused_with_server(shared_server: RunningServer, tmp_path: Path,
                                                                args: tuple[str, ...]) -> None:
     backup = tmp_path / "backup.db"
