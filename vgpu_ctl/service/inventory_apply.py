@@ -7,21 +7,18 @@ with `prune`; without it, each such object is reported as a `keep` change and le
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
-
-from sqlalchemy import BigInteger, Table, literal, select
-from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import encode_layout, fit_mask, geometry_for, parse_mig_layout
 from vgpu_ctl.errors import Conflict
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl, paused_gc
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, occupancy_of, unlacked
-from vgpu_ctl.store.models import Pool, Vm
-
-POOL: Table = Pool.__table__  # type: ignore[attr-defined]
-VM: Table = Vm.__table__  # type: ignore[attr-defined]
+from vgpu_ctl.service.allocation import occupancy_of
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.inventory import Row
+from vgpu_ctl.store.tables import POOL as POOL  # re-exported for the modules that still import them from here
+from vgpu_ctl.store.tables import VM as VM
 
 Change = dict[str, Any]
 
@@ -76,13 +73,7 @@ def _named(fields: Mapping[str, Any], pool_names: Mapping[int, str]) -> dict[str
     return {("pool" if k == "pool_id" else k): (name(v) if k == "pool_id" else v) for k, v in fields.items()}
 
 
-def _vms_on(conn: Connection, gpu_ids: list[int]) -> list[str]:
-    rows = conn.execute(select(VM.c.name).join(DEVICE, DEVICE.c.vm_id == VM.c.id)
-                        .where(DEVICE.c.gpu_id.in_(gpu_ids)).distinct()).all()
-    return sorted(r[0] for r in rows)
-
-
-def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
+def apply_inventory(conn: Tx, catalog: Catalog, inv: InventoryDecl,
                     progress: Callable[[int, int, str], None] | None = None, prune: bool = False,
                     expected_removals: Collection[tuple[str, str]] | None = None) -> list[Change]:
     """Add and update the declared pools, hosts and GPUs; with `prune`, also remove those the declaration leaves
@@ -97,24 +88,23 @@ def apply_inventory(conn: Connection, catalog: Catalog, inv: InventoryDecl,
         return _apply(conn, catalog, inv, progress, prune, expected_removals)
 
 
-def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Callable[[int, int, str], None] | None,
+def _apply(conn: Tx, catalog: Catalog, inv: InventoryDecl, progress: Callable[[int, int, str], None] | None,
            prune: bool, expected_removals: Collection[tuple[str, str]] | None) -> list[Change]:
     changes: list[Change] = []
-    pools = {r.name: r for r in conn.execute(select(POOL)).all()}
+    store = STORE.inventory
+    pools = store.pool_rows(conn)
     for p in inv.pools:
         fields = _pool_fields(p)
         if p.name not in pools:
-            conn.execute(POOL.insert().values(name=p.name, **fields))
+            store.add_pool(conn, p.name, fields)
             changes.append({"action": "add", "kind": "pool", "name": p.name, "fields": fields})
-        elif d := _diff(pools[p.name]._mapping, fields):
-            conn.execute(POOL.update().where(POOL.c.id == pools[p.name].id).values(**fields))
+        elif d := _diff(pools[p.name], fields):
+            store.update_pool(conn, pools[p.name]["id"], fields)
             changes.append({"action": "update", "kind": "pool", "name": p.name, "fields": d})
-    pool_ids = {r.name: r.id for r in conn.execute(select(POOL.c.name, POOL.c.id)).all()}
+    pool_ids = store.pool_ids(conn)
 
-    hosts = {r.name: r for r in conn.execute(select(HOST)).all()}
-    gpus_of: dict[int, dict[str, Any]] = {}
-    for r in conn.execute(select(GPU)).all():
-        gpus_of.setdefault(r.host_id, {})[r.pci_address] = r
+    hosts = store.host_rows(conn)
+    gpus_of = store.gpu_rows(conn)
     declared_hosts = {h.name for h in inv.hosts}
     gpus = _GpuWriter(conn, catalog, pool_ids)
     new_hosts: list[dict[str, Any]] = []
@@ -128,32 +118,23 @@ def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Cal
                             "fields": {k: v for k, v in fields.items() if k != "labels" or v}})
             changes.extend(gpus.plan(h, None, {}, prune))
         else:
-            host_id = hosts[h.name].id
-            if d := _diff(hosts[h.name]._mapping, fields):
-                conn.execute(HOST.update().where(HOST.c.id == host_id).values(**fields))
+            host_id = hosts[h.name]["id"]
+            if d := _diff(hosts[h.name], fields):
+                store.update_host(conn, host_id, fields)
                 changes.append({"action": "update", "kind": "host", "name": h.name, "fields": d})
             changes.extend(gpus.plan(h, host_id, gpus_of.get(host_id, {}), prune))
-    if new_hosts:
-        for chunk in _chunks(new_hosts):
-            conn.execute(HOST.insert(), chunk)
-        names = {h["name"] for h in new_hosts}
-        new_ids = {r.name: r.id for r in conn.execute(select(HOST.c.name, HOST.c.id)) if r.name in names}
-    else:
-        new_ids = {}
-    gpus.write(new_ids)
+    gpus.write(store.add_hosts(conn, new_hosts) if new_hosts else {})
     for name, row in hosts.items():
         if name in declared_hosts:
             continue
         if not prune:
             changes.append(_keep("host", name))
             continue
-        gpu_ids = [r[0] for r in conn.execute(select(GPU.c.id).where(GPU.c.host_id == row.id))]
-        if vms := _vms_on(conn, gpu_ids) or sorted(
-                r[0] for r in conn.execute(select(VM.c.name).where(VM.c.host_id == row.id))):
+        if vms := store.vms_on_gpus(conn, store.host_gpu_ids(conn, row["id"])) or \
+                store.vms_placed_on(conn, row["id"]):
             raise Conflict(f"host {name!r} is not in the file but holds VMs: {', '.join(vms)}; "
                            "delete or move them first", reasons=[{"host": name, "vms": vms}])
-        conn.execute(GPU.delete().where(GPU.c.host_id == row.id))
-        conn.execute(HOST.delete().where(HOST.c.id == row.id))
+        store.remove_host(conn, row["id"])
         changes.append({"action": "remove", "kind": "host", "name": name})
 
     declared_pools = {p.name for p in inv.pools}
@@ -163,12 +144,11 @@ def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Cal
         if not prune:
             changes.append(_keep("pool", name))
             continue
-        vms = sorted(r[0] for r in conn.execute(select(VM.c.name).where(VM.c.pool_id == row.id)))
+        vms = store.vms_in_pool(conn, row["id"])
         if vms:
             raise Conflict(f"pool {name!r} is not in the file but VMs use it: {', '.join(vms)}",
                            reasons=[{"pool": name, "vms": vms}])
-        conn.execute(GPU.update().where(GPU.c.pool_id == row.id).values(pool_id=None))
-        conn.execute(POOL.delete().where(POOL.c.id == row.id))
+        store.remove_pool(conn, row["id"])
         changes.append({"action": "remove", "kind": "pool", "name": name})
     if expected_removals is not None:
         unconfirmed = [f"{kind} {name}" for kind, name in removals(changes)
@@ -180,13 +160,7 @@ def _apply(conn: Connection, catalog: Catalog, inv: InventoryDecl, progress: Cal
     return changes
 
 
-CHUNK = 5000  # rows per multi-row INSERT statement
 _DECLARED = ("model", "mode", "pool_id", "pinned_type", "mig_layout")  # the GPU columns a declaration sets
-
-
-def _chunks(rows: list[dict[str, Any]], size: int = CHUNK) -> Iterator[list[dict[str, Any]]]:
-    for i in range(0, len(rows), size):
-        yield rows[i:i + size]
 
 
 class _GpuWriter:
@@ -195,14 +169,14 @@ class _GpuWriter:
     `write` once their hosts have ids. A GPU's declared columns, axis and fit mask are worked out once per
     distinct declaration (a fleet repeats a few kinds of GPU many times)."""
 
-    def __init__(self, conn: Connection, catalog: Catalog, pool_ids: Mapping[str, int]) -> None:
+    def __init__(self, conn: Tx, catalog: Catalog, pool_ids: Mapping[str, int]) -> None:
         self.conn = conn
         self.catalog = catalog
         self.pool_ids = pool_ids
         self.pool_names = {v: k for k, v in pool_ids.items()}
         self._fields: dict[tuple[Any, ...], tuple[dict[str, Any], int, int, tuple[Any, ...]]] = {}
         self._new: list[tuple[str | int, dict[str, Any]]] = []  # (host id, or name while it has none; row)
-        self._stored = operator.itemgetter(*(GPU.c.keys().index(c) for c in _DECLARED))  # a row's declared columns
+        self._stored = operator.itemgetter(*_DECLARED)  # a row's declared columns
 
     def _declared(self, g: GpuDecl) -> tuple[dict[str, Any], int, int, tuple[Any, ...]]:
         """(columns the declaration sets, axis units, fit mask of the GPU empty, the columns' values in the order
@@ -216,7 +190,7 @@ class _GpuWriter:
                                          tuple(fields[c] for c in _DECLARED))
         return found
 
-    def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, Any], prune: bool) -> list[Change]:
+    def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, Row], prune: bool) -> list[Change]:
         """The changes to host `h`'s GPUs (`existing`: the store's, by PCI address; `host_id` None for a host
         being added)."""
         changes: list[Change] = []
@@ -234,13 +208,13 @@ class _GpuWriter:
                 continue
             if self._stored(row) == values_now:  # as declared: the common case of a re-apply
                 continue
-            d = _diff(row._mapping, fields)
+            d = _diff(row, fields)
             if not d:
                 continue
             recarve = {"model", "mode", "mig_layout"} & d.keys() or (
-                "pinned_type" in d and row.active_type not in (None, fields["pinned_type"]))
-            if recarve and row.device_count:
-                vms = _vms_on(self.conn, [row.id])
+                "pinned_type" in d and row["active_type"] not in (None, fields["pinned_type"]))
+            if recarve and row["device_count"]:
+                vms = STORE.inventory.vms_on_gpus(self.conn, [row["id"]])
                 raise Conflict(f"GPU {label} holds devices of VMs {', '.join(vms)}; it can't change "
                                f"{', '.join(sorted(recarve if isinstance(recarve, set) else {'pinned_type'}))} "
                                "until they are deleted", reasons=[{"gpu": label, "vms": vms}])
@@ -249,9 +223,8 @@ class _GpuWriter:
             if remode:  # what the host lacked was for the old mode: discovery reads it again
                 values.update(axis_units=axis, free_units=axis, layout="", active_type=None, lacks=0,
                               lacked_types=None)
-            fits = _fits(self.catalog, {**row._mapping, **values})
-            values["fits"] = fits if remode else unlacked(literal(fits, BigInteger))
-            self.conn.execute(GPU.update().where(GPU.c.id == row.id).values(version=GPU.c.version + 1, **values))
+            STORE.inventory.update_gpu(self.conn, row["id"], values, _fits(self.catalog, {**row, **values}),
+                                       less_lacked=not remode)
             changes.append({"action": "update", "kind": "gpu", "name": label,
                             "fields": _named(d, self.pool_names)})
         declared = {g.pci for g in h.gpus}
@@ -261,17 +234,16 @@ class _GpuWriter:
             if not prune:
                 changes.append(_keep("gpu", f"{h.name}/{pci}"))
                 continue
-            if row.device_count:
-                vms = _vms_on(self.conn, [row.id])
+            if row["device_count"]:
+                vms = STORE.inventory.vms_on_gpus(self.conn, [row["id"]])
                 raise Conflict(f"GPU {h.name}/{pci} is not in the file but holds devices of VMs {', '.join(vms)}",
                                reasons=[{"gpu": f"{h.name}/{pci}", "vms": vms}])
-            self.conn.execute(GPU.delete().where(GPU.c.id == row.id))
+            STORE.inventory.remove_gpu(self.conn, row["id"])
             changes.append({"action": "remove", "kind": "gpu", "name": f"{h.name}/{pci}"})
         return changes
 
     def write(self, new_host_ids: Mapping[str, int]) -> None:
         """Insert the new GPUs, in multi-row statements (`new_host_ids`: the ids of the hosts just added)."""
-        rows = [{"host_id": new_host_ids[h] if isinstance(h, str) else h, **row} for h, row in self._new]
-        for chunk in _chunks(rows):
-            self.conn.execute(GPU.insert(), chunk)
+        STORE.inventory.add_gpus(self.conn, [{"host_id": new_host_ids[h] if isinstance(h, str) else h, **row}
+                                             for h, row in self._new])
         self._new.clear()

@@ -5,13 +5,14 @@ keep the SQL and its speed machinery (prepared statements, fit masks, writer que
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
 from vgpu_ctl.store.fleet import FleetRows
 from vgpu_ctl.store.hosts import HostState
 from vgpu_ctl.store.idempotency import KeyRow
+from vgpu_ctl.store.inventory import Row
 from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
@@ -95,6 +96,61 @@ class IdempotencyStore(Protocol):
 
     def purge_keys(self, tx: Tx, now: datetime) -> int:
         """Delete expired keys; how many."""
+
+
+class InventoryStore(Protocol):
+    """Pools, hosts and GPUs as an inventory apply reads and writes them (rows by column name)."""
+
+    def pool_rows(self, tx: Tx) -> dict[str, Row]:
+        """Every pool, by name."""
+
+    def add_pool(self, tx: Tx, name: str, fields: Mapping[str, Any]) -> None:
+        """Insert a pool."""
+
+    def update_pool(self, tx: Tx, pool_id: int, fields: Mapping[str, Any]) -> None:
+        """Set a pool's columns."""
+
+    def pool_ids(self, tx: Tx) -> dict[str, int]:
+        """Every pool's id, by name."""
+
+    def remove_pool(self, tx: Tx, pool_id: int) -> None:
+        """Delete a pool, its GPUs left in none."""
+
+    def host_rows(self, tx: Tx) -> dict[str, Row]:
+        """Every host, by name."""
+
+    def gpu_rows(self, tx: Tx) -> dict[int, dict[str, Row]]:
+        """Every GPU, by host id and PCI address."""
+
+    def update_host(self, tx: Tx, host_id: int, fields: Mapping[str, Any]) -> None:
+        """Set a host's columns."""
+
+    def add_hosts(self, tx: Tx, rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+        """Insert hosts; their ids by name."""
+
+    def remove_host(self, tx: Tx, host_id: int) -> None:
+        """Delete a host and its GPUs."""
+
+    def host_gpu_ids(self, tx: Tx, host_id: int) -> list[int]:
+        """The host's GPU ids."""
+
+    def vms_on_gpus(self, tx: Tx, gpu_ids: Sequence[int]) -> list[str]:
+        """Names of the VMs with devices on these GPUs."""
+
+    def vms_placed_on(self, tx: Tx, host_id: int) -> list[str]:
+        """Names of the VMs placed on the host."""
+
+    def vms_in_pool(self, tx: Tx, pool_id: int) -> list[str]:
+        """Names of the VMs in the pool."""
+
+    def update_gpu(self, tx: Tx, gpu_id: int, values: Mapping[str, Any], fits: int, less_lacked: bool) -> None:
+        """Set a GPU's columns and fit mask, with a new version."""
+
+    def remove_gpu(self, tx: Tx, gpu_id: int) -> None:
+        """Delete a GPU."""
+
+    def add_gpus(self, tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert GPUs."""
 
 
 class LeaderLeaseStore(Protocol):
@@ -240,6 +296,10 @@ class Store(Protocol):
         """Idempotency keys."""
 
     @property
+    def inventory(self) -> InventoryStore:
+        """The inventory."""
+
+    @property
     def leader_lease(self) -> LeaderLeaseStore:
         """The leader's lease."""
 
@@ -263,6 +323,6 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "LeaderLeaseStore", "OperationStore",
-    "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
+    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "InventoryStore", "LeaderLeaseStore",
+    "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
 ]

@@ -6,7 +6,19 @@ from __future__ import annotations
 
 from typing import Final
 
-from vgpu_ctl.store import events, fleet, hosts, idempotency, leader_lease, operations, quotas, tenants, tokens, vms
+from vgpu_ctl.store import (
+    events,
+    fleet,
+    hosts,
+    idempotency,
+    inventory,
+    leader_lease,
+    operations,
+    quotas,
+    tenants,
+    tokens,
+    vms,
+)
 
 
 class SqlStore:
@@ -18,6 +30,7 @@ class SqlStore:
     fleet: Final = fleet
     hosts: Final = hosts
     idempotency: Final = idempotency
+    inventory: Final = inventory
     leader_lease: Final = leader_lease
     operations: Final = operations
     quotas: Final = quotas
