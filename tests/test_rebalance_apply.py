@@ -378,3 +378,75 @@ def test_the_api_refuses_a_tenant(cli: Cli) -> None:
             c.rebalance_plan()
         with pytest.raises(PermissionDenied):
             c.rebalance_apply(())
+
+
+def _undo_cli(url: str, state: Path, *args: str, input: str | None = None) -> Any:
+    from vgpu_ctl.cli.main import app
+    return CliRunner().invoke(app, ["--db", url, "rebalance", "--undo", *args], input=input,
+                              env={"VGPU_CTL_STATE_DIR": str(state)})
+
+
+def test_undo_moves_the_vm_back_where_its_last_move_took_it_from(two_hosts: tuple[str, Path]) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        (move,) = c.rebalance_plan(goal="free-hosts").moves
+        before_usage, before_sums = usage(c), check_store_invariants(c.engine)
+        before_devs, before_used = vm_devices(c, move.name), _host_used(c)
+        assert c.rebalance_apply([move])["done"]
+        assert c.get_vm(move.vm).host == move.to_host
+    answered = _undo_cli(url, state, f"acme/{move.name}", input="n\n")
+    assert answered.exit_code == 1 and "not confirmed" in answered.output, answered.output
+    done = _undo_cli(url, state, f"acme/{move.name}", "--yes", "--json")
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.stdout)
+    with Controller(url, state_path=state) as c:
+        vm = c.get_vm(move.vm)
+        assert vm.state == "running" and vm.host == move.from_host and vm_devices(c, move.name) == before_devs
+        assert usage(c) == before_usage and check_store_invariants(c.engine) == before_sums
+        assert _host_used(c) == before_used
+        uuids, domains = on_host(c, move.to_host)
+        assert not {d.uuid for d in vm.devices} & uuids and len(domains) == 1  # only the other VM's
+        moved = [e for e in c.events() if e["action"] == "vm.move"]
+        assert [e["result"] for e in moved] == ["ok", "ok"] and moved[1]["params"]["undoes"] == moved[0]["id"]
+        assert out["undoes"] == moved[0]["id"] and out["to"].startswith(move.from_host)
+        assert moved[1]["params"]["to"] == moved[0]["params"]["from"]
+        assert c.reconcile().findings == []
+
+
+def test_undo_is_refused_with_nothing_changed(two_hosts: tuple[str, Path]) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        before = store_snapshot(c)
+    never = _undo_cli(url, state, "acme/a", "--yes", "-o", "json")
+    assert never.exit_code == 2 and "never moved" in json.loads(never.stdout)["error"]["message"], never.output
+    assert json.loads(never.stdout)["error"]["reasons"] == [{"field": "vm", "value": "acme/a"}]
+    unknown = _undo_cli(url, state, "acme/nope", "--yes")
+    assert unknown.exit_code == 4, unknown.output
+    mixed = _undo_cli(url, state, "acme/a", "--apply", "--yes")
+    assert mixed.exit_code == 2 and "--undo goes alone" in mixed.output, mixed.output
+    with Controller(url, state_path=state) as c:
+        assert store_snapshot(c) == before
+        (move,) = c.rebalance_plan(goal="free-hosts").moves
+        assert c.rebalance_apply([move])["done"]
+        # the emptied host's GPU takes a new VM where the moved one was: the way back is taken
+        c.request_vm("acme", "c", "L40S-8C", vcpus=4, memory_mib=8192, pool="ws")
+        assert c.get_vm("acme/c").host == move.from_host
+        taken = store_snapshot(c)
+        on_to = on_host(c, move.to_host)
+    refused = _undo_cli(url, state, f"acme/{move.name}", "--yes")
+    assert refused.exit_code == 5 and "no longer fits" in refused.output, refused.output
+    with Controller(url, state_path=state) as c:
+        assert store_snapshot(c) == taken and on_host(c, move.to_host) == on_to  # not even stopped
+
+
+def test_undo_is_an_admin_command(two_hosts: tuple[str, Path]) -> None:
+    url, state = two_hosts
+    with Controller(url, state_path=state) as c:
+        token = c.issue_token("acme")
+        before = store_snapshot(c)
+    from vgpu_ctl.cli.main import app
+    res = CliRunner().invoke(app, ["--db", url, "--token", token, "rebalance", "--undo", "acme/a", "--yes"],
+                             env={"VGPU_CTL_STATE_DIR": str(state)})
+    assert res.exit_code == 7, res.output
+    with Controller(url, state_path=state) as c:
+        assert store_snapshot(c) == before

@@ -1,5 +1,6 @@
-"""`vgpuctl rebalance`: the moves that would free whole GPUs or hosts (--plan, on a copy of the store), and
-carrying them out one at a time (--apply, after confirmation). Admin only, on this machine's store."""
+"""`vgpuctl rebalance`: the moves that would free whole GPUs or hosts (--plan, on a copy of the store), carrying
+them out one at a time (--apply, after confirmation), and moving a VM back (--undo VM, after confirmation). Admin
+only, on this machine's store."""
 
 from __future__ import annotations
 
@@ -68,16 +69,23 @@ def rebalance_cmd(
         goal: str = typer.Option("free-gpus", "--goal", help="free-gpus, free-hosts, or advised (the in-use GPUs "
                                  "`advise carving --demand` wants re-carved)."),
         demand: Path = typer.Option(None, "--demand", help="With --goal advised: the demand the advisor weighs."),
-        yes: bool = typer.Option(False, "--yes", "-y", help="With --apply: do not ask (for scripts)."),
+        undo: str = typer.Option(None, "--undo", metavar="VM", help="Move VM back to where its last rebalance "
+                                 "move took it from (after confirmation)."),
+        yes: bool = typer.Option(False, "--yes", "-y", help="With --apply or --undo: do not ask (for scripts)."),
         as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """The moves (stop, re-place, start) that would free whole GPUs or hosts, or the GPUs the carving advisor
-    wants re-carved, with the VMs touched per GPU (host) freed; --apply carries them out after confirmation."""
+    wants re-carved, with the VMs touched per GPU (host) freed; --apply carries them out after confirmation;
+    --undo VM moves a VM back where its last move took it from."""
     fmt = out_format(as_json, output)
     if remote():
         fail(local_only_error(["rebalance"], str(STATE.server)), fmt)
+    if undo is not None:
+        _undo(undo, plan or apply, pool, demand, yes, fmt)
+        return
     with handled(fmt):
         if plan == apply:
-            raise InvalidInput("give exactly one of --plan and --apply (field plan)", reasons=[{"field": "plan"}])
+            raise InvalidInput("give exactly one of --plan, --apply and --undo (field plan)",
+                               reasons=[{"field": "plan"}])
         if goal not in GOALS:
             raise InvalidInput(f"field goal: {goal!r} is not one of {', '.join(GOALS)}",
                                reasons=[{"field": "goal", "value": goal}])
@@ -105,6 +113,30 @@ def rebalance_cmd(
         _table(data, fmt)
     if apply and data.get("failed"):
         raise typer.Exit(ERRORS.get(data["failed"]["code"], 1))
+
+
+def _undo(ref: str, other: bool, pool: str | None, demand: Path | None, yes: bool, fmt: Output) -> None:
+    """rebalance --undo VM: the VM's last move reversed, after confirmation."""
+    with handled(fmt):
+        if other or pool is not None or demand is not None:
+            raise InvalidInput("field undo: --undo goes alone (no --plan, --apply, --pool or --demand)",
+                               reasons=[{"field": "undo", "value": ref}])
+        from vgpu_ctl.service.fleet_snapshot import require_store
+        require_store(STATE.db)
+        ctl = open_controller(init=False)
+        try:
+            if not yes:
+                ctl.get_vm(ref)  # an unknown VM is refused before the question
+                confirm(f"move VM {ref} back where its last rebalance move took it from (stopped, moved and "
+                        "started again)?", fmt)
+            from vgpu_ctl.service.rebalance import undo_move
+            done = undo_move(ctl, ref)
+        finally:
+            ctl.close()
+    if machine(fmt):
+        emit(fmt, done)
+    else:
+        console.print(f"moved {done['tenant']}/{done['name']} back: {done['from']} -> {done['to']}")
 
 
 def _apply(ctl: Any, result: Any, data: dict[str, Any], yes: bool, fmt: Output) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.service.leases import Renewal, new_holder, take
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import VmMove, utcnow
+from vgpu_ctl.store.tables import EVENT
 
 if TYPE_CHECKING:
     from vgpu_ctl.planning.demand import Demand
@@ -101,7 +102,7 @@ def plan_dict(plan: RebalancePlan, source: str = "") -> dict[str, Any]:
 
 
 __all__ = ["advised_targets", "apply_moves", "move_vm", "pending_moves", "plan_dict", "plan_rebalance", "resume_move",
-           "store_vms"]
+           "store_vms", "undo_move"]
 
 
 # -- carrying a plan out ------------------------------------------------------------------------------------------
@@ -132,6 +133,37 @@ def apply_moves(ctl: Controller, moves: Sequence[Move]) -> dict[str, Any]:
     return {"applied": applied, "failed": None, "not_tried": 0, "done": True}
 
 
+def undo_move(ctl: Controller, vm_ref: str) -> dict[str, Any]:
+    """Move a VM back to where its last rebalance move took it from (admin): its latest `vm.move` that succeeded,
+    reversed, carried out as any move is (`move_vm`: stop, re-place, start, audited as `vm.move` with `undoes`,
+    undone on failure). InvalidInput naming the field when the VM was never moved; Conflict (nothing changed)
+    when it changed or moved since, or its old positions are taken. The move done, as `apply_moves` lists it."""
+    _admin(ctl, "rebalance --undo")
+    vm = ctl.get_vm(vm_ref)
+    with ctl.engine.connect() as conn:
+        ev = conn.execute(select(EVENT.c.id, EVENT.c.params).where(
+            EVENT.c.action == "vm.move", EVENT.c.target == f"vm:{vm.id}", EVENT.c.result == "ok")
+            .order_by(EVENT.c.id.desc()).limit(1)).first()
+    if ev is None:
+        raise InvalidInput(f"field vm: VM {vm.tenant}/{vm.name} was never moved by rebalance; nothing to undo",
+                           reasons=[{"field": "vm", "value": vm_ref}])
+    size = {d.profile: d.size for d in vm.devices}  # a VM moves with its profiles: each keeps its size
+
+    def side(key: str) -> tuple[str, tuple[PlanDevice, ...]]:
+        got = ev.params[key]
+        return got["host"], tuple(sorted(PlanDevice(d["pci"], d["profile"], int(d["start"]),
+                                                     size.get(d["profile"], 0)) for d in got["devices"]))
+
+    (now_host, now_devs), (back_host, back_devs) = side("to"), side("from")
+    back = Move(vm.id, vm.name, vm.tenant, now_host, now_devs, back_host, back_devs, "")
+    with ctl.engine.connect() as conn:  # taken since: refused before the VM is stopped
+        pool_id = conn.execute(select(VM.c.pool_id).where(VM.c.id == vm.id)).scalar()
+        _check_to(ctl, conn, pool_id, back)
+    move_vm(ctl, back, undoes=ev.id)
+    return {"vm": vm.id, "name": vm.name, "tenant": vm.tenant, "undoes": ev.id,
+            "from": _words(now_host, now_devs), "to": _words(back_host, back_devs)}
+
+
 def _devices(conn: Connection, vm_id: str) -> list[Any]:
     return list(conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model,
                                     alloc.GPU.c.mode.label("gpu_mode"))
@@ -146,11 +178,11 @@ def _check_from(vm: Any, host: Any, devs: Sequence[Any], m: Move) -> None:
                        "plan again", reasons=[{"vm": m.vm, "state": vm.state, "host": host.name}])
 
 
-def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Move) -> tuple[Any, list[str]]:
-    """Claim the move's new positions for the VM beside its old ones (inside the caller's transaction): the
-    new host's vCPUs and memory when it is another host, each GPU's positions by compare-and-set, and device
-    rows. Quota is not charged: the VM's charge moves with it. Conflict when a position is taken or not allowed
-    there, or the host lacks room."""
+def _check_to(ctl: Controller, conn: Connection, pool_id: int | None,
+              m: Move) -> tuple[Any, dict[int, Any], dict[int, Any], list[DevicePlacement]]:
+    """Whether the move's new positions fit now, read in `conn`: the new host, its GPU rows and occupancies with
+    the positions placed, by GPU id, and the placements. Conflict when the host is gone, a GPU is not in the
+    VM's pool (`pool_id`), or a position is taken or not allowed there."""
     new_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == m.to_host)).first()
     if new_host is None:
         raise Conflict(f"host {m.to_host} is gone; plan again", reasons=[{"host": m.to_host}])
@@ -160,7 +192,7 @@ def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Mov
     rows: dict[int, Any] = {}
     for d in m.to_devices:
         g = gpus.get(d.pci)
-        if g is None or g.pool_id != vm.pool_id:
+        if g is None or g.pool_id != pool_id:
             raise Conflict(f"GPU {m.to_host}/{d.pci} is not in the VM's pool; plan again",
                            reasons=[{"gpu": f"{m.to_host}/{d.pci}"}])
         rows[g.id] = g
@@ -171,6 +203,15 @@ def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Mov
                            reasons=[{"gpu": f"{m.to_host}/{d.pci}", "reason": str(why)}])
         occs[g.id] = occ.placed(d.profile, d.start)
         placed.append(DevicePlacement(g.id, d.profile, d.start, occs[g.id].geometry.shapes[d.profile].size))
+    return new_host, rows, occs, placed
+
+
+def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Move) -> tuple[Any, list[str]]:
+    """Claim the move's new positions for the VM beside its old ones (inside the caller's transaction): the
+    new host's vCPUs and memory when it is another host, each GPU's positions by compare-and-set, and device
+    rows. Quota is not charged: the VM's charge moves with it. Conflict when a position is taken or not allowed
+    there, or the host lacks room."""
+    new_host, rows, occs, placed = _check_to(ctl, conn, vm.pool_id, m)
     try:
         if new_host.id != old_host.id:
             alloc.claim_host(conn, new_host.id, vm.vcpus, vm.memory_mib)
@@ -197,12 +238,13 @@ def _step(conn: Connection, vm_id: str, step: str, **values: Any) -> None:
     conn.execute(update(MOVE).where(MOVE.c.vm_id == vm_id).values(step=step, updated_at=utcnow(), **values))
 
 
-def move_vm(ctl: Controller, m: Move) -> None:
+def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
     """Move one VM as the plan says, under its lease: stop it (gracefully, then forced after the grace period),
     claim the new positions beside the old ones, create its devices and define its domain there, start it (when
     it was running), then free the old claim (host side, then store) and record `vm.move` with from and to.
     Each step's progress is kept in `vm_move` in that step's transaction, so reconcile can finish or undo a move
-    a crash interrupted (`resume_move`). If a step before the start fails, what the new place got is undone, the
+    a crash interrupted (`resume_move`); `undoes`: the event of the move this one reverses (`undo_move`), kept
+    in vm.move's params. If a step before the start fails, what the new place got is undone, the
     old claim is kept, the VM is started where it was, `vm.move` is recorded as failed, and HostError (Conflict
     when the store changed) is raised."""
     from vgpu_ctl.service.provision import device_spec, domain_name, render_vm
@@ -218,7 +260,7 @@ def move_vm(ctl: Controller, m: Move) -> None:
         _check_from(vm, old_host, old_devs, m)  # raised here, the lease is not taken (the transaction rolls back)
         grace_s = settings(conn)["grace_s"]
         params = {"name": vm.name, "from": _side(m.from_host, m.from_devices), "to": _side(m.to_host, m.to_devices),
-                  "frees": m.frees}
+                  "frees": m.frees, **({} if undoes is None else {"undoes": undoes})}
         conn.execute(MOVE.insert().values(vm_id=vm.id, step="stopping", from_host_id=old_host.id,
                                           old_devices=[d.id for d in old_devs], new_devices=[],
                                           was_running=vm.state == VmState.RUNNING, params=params,
