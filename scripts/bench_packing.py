@@ -38,7 +38,8 @@ generator is seeded with the trace's name, so every replay seed sees the same tr
 shapes on that model as its demand), placing each task as a user would: request_vm(provision=False) with the
 task's profile on each model it may use, the model with the most GPUs first, the first that is not refused. Beside
 it the pure policy is replayed with the same rule ("pure user"), so the gap between the two is the store's doing:
-there pack sees a host only through its GPUs on the candidate page. Both stop at 100% arrived.
+there pack sees whole hosts, but only those on the candidate pages (hosts with room, fullest first, from their
+summaries) until one has a plan. Both stop at 100% arrived.
 
 Usage: bench_packing.py TRACE_DIR [--seeds 42..44 (default: 3 seeds; the paper's 10 are 42..51)]
        [--trace default,gpushare40,multigpu30] [--modes vgpu-equal,vgpu-mixed,mig]

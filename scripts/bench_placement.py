@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import concurrent.futures
+import contextlib
 import cProfile
 import datetime as dt
 import json
@@ -59,7 +60,7 @@ from typing import Any
 from sqlalchemy import select
 
 from vgpu_ctl.catalog import Catalog, load_catalog
-from vgpu_ctl.core.geometry import Mode, Occupancy, fit_mask, geometry_for, profile_bit
+from vgpu_ctl.core.geometry import FIT_BITS, Mode, Occupancy, fit_mask, geometry_for, profile_bit
 from vgpu_ctl.core.placement import (
     GpuView,
     HostView,
@@ -95,6 +96,8 @@ COLUMNS = (
     "core placements/s",
     "store/core",
     "agree",
+    "raw sqlite3/s",
+    "store/raw",
 )
 
 
@@ -551,6 +554,11 @@ class CoreFleet:
     hosts: dict[int, _Host]
     # (pool, model, mode) -> free_units -> sorted GPU ids (ids follow host order, as the query's tie-break)
     buckets: dict[tuple[str, str, str], dict[int, list[int]]] = field(default_factory=dict)
+    # the store's host_fit in memory: (pool, model, mode, bit) -> host id -> (n_fit, free units), and per key the
+    # (free units, host id) of the hosts with n_fit > 0, sorted (the partial index's order)
+    summary: dict[tuple[str, str, str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
+    ranked: dict[tuple[str, str, str, int], list[tuple[int, int]]] = field(default_factory=dict)
+    by_host: dict[int, list[_Gpu]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, url: str, catalog: Catalog) -> CoreFleet:
@@ -581,6 +589,8 @@ class CoreFleet:
         fleet = cls(catalog, gpus, hosts)
         for g in gpus.values():
             fleet._bucket(g).setdefault(g.occ.free_units, []).append(g.id)
+            fleet.by_host.setdefault(g.host_id, []).append(g)
+            fleet._summarize(g, 1)
         return fleet
 
     def _bucket(self, g: _Gpu) -> dict[int, list[int]]:
@@ -637,7 +647,7 @@ class CoreFleet:
             h.state == "active" and h.used_vcpus + req.vcpus <= h.cap_vcpus and h.used_mem + req.memory_mib <= h.cap_mem
         )
 
-    def _views(self, gpus: Sequence[_Gpu]) -> list[HostView]:
+    def _views(self, gpus: Sequence[_Gpu], whole: bool = False) -> list[HostView]:
         by_host: dict[int, list[_Gpu]] = {}
         for g in gpus:
             by_host.setdefault(g.host_id, []).append(g)
@@ -655,21 +665,16 @@ class CoreFleet:
                     h.labels,
                     frozenset(),
                     order=h.id,
+                    gpu_count=len(by_host[hid]) if whole else None,
                 )
             )
         return views
 
     def pages(self, pool: str, req: PlacementRequest) -> Iterator[list[HostView]]:
-        """The candidate pages `allocation.candidate_pages` gives for the request in the pool."""
-        if len(req.profiles) == 1:
-            page: list[_Gpu] = []
-            for g in self._matching(pool, req):
-                page.append(g)
-                if len(page) == alloc.PAGE:
-                    yield self._views(page)
-                    page = []
-            if page:
-                yield self._views(page)
+        """The candidate pages `allocation.candidate_pages` gives for the request in the pool (every pool here
+        is pack's, which scores whole hosts)."""
+        if len(set(req.profiles)) == 1:
+            yield from self._host_pages(pool, req)
             return
         per_host: dict[int, list[_Gpu]] = {}
         for g in self._matching(pool, req):
@@ -677,9 +682,58 @@ class CoreFleet:
         ranked = sorted(
             (sum(g.occ.free_units for g in gs), hid) for hid, gs in per_host.items() if len(gs) >= len(req.profiles)
         )
-        step = alloc.PAGE // 2
+        step = alloc.HOST_PAGE
         for c in range(0, len(ranked), step):
             yield self._views([g for _, hid in ranked[c : c + step] for g in per_host[hid]])
+
+    def _host_pages(self, pool: str, req: PlacementRequest) -> Iterator[list[HostView]]:
+        """Whole hosts by their summaries, as `allocation._host_pages` reads them: hosts with as many GPUs of
+        one placeable that can take the profile as the request has vGPUs, fullest first (their free units),
+        then host id, merged over the placeables."""
+        lists: list[tuple[tuple[str, str, str, int], list[tuple[int, int]]]] = []
+        for (p, model, mode), _size, name in self._clauses(pool, req.profiles):
+            skey = (p, model, mode, profile_bit(geometry_for(self.catalog, model, mode), name))
+            if self.ranked.get(skey):
+                lists.append((skey, self.ranked[skey]))
+        ndev = len(req.profiles)
+        ordered: Iterator[int]
+        if len(lists) == 1:  # one placeable: its index range, in order
+            one, r = lists[0]
+            ordered = (hid for _, hid in r if self.summary[one][hid][0] >= ndev)
+        else:  # several: merged by each host's best key
+            best: dict[int, tuple[int, int]] = {}
+            for skey, r in lists:
+                for f, hid in r:
+                    if self.summary[skey][hid][0] >= ndev and (f, hid) < best.get(hid, (f + 1, hid)):
+                        best[hid] = (f, hid)
+            ordered = iter(sorted(best, key=best.__getitem__))
+        page: list[int] = []
+        for hid in ordered:
+            if self._host_ok(self.hosts[hid], req):
+                page.append(hid)
+            if len(page) == alloc.HOST_PAGE:
+                yield self._views([g for h in page for g in self.by_host[h] if g.pool == pool], whole=True)
+                page = []
+        if page:
+            yield self._views([g for h in page for g in self.by_host[h] if g.pool == pool], whole=True)
+
+    def _summarize(self, g: _Gpu, sign: int) -> None:
+        """Add (sign 1) or take off (-1) a GPU's part of its host's summaries."""
+        geom = g.occ.geometry
+        mask = fit_mask(g.occ)
+        for b in range(FIT_BITS):
+            if not mask & (1 << b):
+                continue
+            key = (g.pool, geom.model, geom.mode.value, 1 << b)
+            per = self.summary.setdefault(key, {})
+            n, free = per.get(g.host_id, (0, 0))
+            ranked = self.ranked.setdefault(key, [])
+            if n:
+                ranked.pop(bisect.bisect_left(ranked, (free, g.host_id)))
+            n, free = n + sign, free + sign * g.occ.free_units
+            per[g.host_id] = (n, free)
+            if n:
+                bisect.insort(ranked, (free, g.host_id))
 
     def apply(self, req: PlacementRequest, chosen: PlacementPlan) -> None:
         """Record a plan: the GPUs' new occupancy and the host's usage."""
@@ -687,7 +741,9 @@ class CoreFleet:
             g = self.gpus[gid]
             old = self._bucket(g)[g.occ.free_units]
             old.pop(bisect.bisect_left(old, gid))
+            self._summarize(g, -1)
             g.occ = occ
+            self._summarize(g, 1)
             bisect.insort(self._bucket(g).setdefault(occ.free_units, []), gid)
         h = self.hosts[chosen.host_id]
         h.used_vcpus += req.vcpus
@@ -706,11 +762,14 @@ def _fill_step(catalog: Catalog, req: Req) -> float:
     return sum(_frac(catalog, spec, p) for p in req.profiles)
 
 
-def phase_build(url: str, state: str, n_gpus: int, build: str, target: float, seed: int) -> dict[str, Any]:
-    """Build and pre-fill the store."""
+def phase_build(url: str, state: str, n_gpus: int, build: str, target: float, seed: int,
+                empty_copy: str | None = None) -> dict[str, Any]:
+    """Build and pre-fill the store (a copy of the empty fleet to `empty_copy` first, when given)."""
     catalog = load_catalog()
     t0 = time.perf_counter()
     path = build_store(url, Path(state), catalog, n_gpus, build)
+    if empty_copy:
+        _backup(Path(url.removeprefix("sqlite:///")), Path(empty_copy))
     t1 = time.perf_counter()
     fill = prefill(url, catalog, target, seed + 1) if target > 0 else 0.0
     return {
@@ -816,7 +875,71 @@ def phase_store(
     }
 
 
-def _client(url: str, state: str, reqs: Sequence[Req], start_at: float) -> dict[str, Any]:
+MULTI_PROFILE = ("ampere", "A100D-4C")  # small, so that 8-GPU VMs fit many times on an A100 host
+MULTI_SIZES = (1, 2, 4, 8)
+
+
+def phase_multi(url: str, state: str, gpus: int, n_requests: int) -> dict[str, Any]:
+    """`n_requests` VMs of `gpus` x MULTI_PROFILE each through Controller.request_vm on the empty fleet: the
+    latencies (what a request for k GPUs costs beside one for a single GPU)."""
+    ctl = Controller(url, catalog=load_catalog(), state_path=Path(state))
+    pool, profile = MULTI_PROFILE
+    lat: list[float] = []
+    placed = 0
+    try:
+        for i in range(n_requests):
+            t0 = time.perf_counter()
+            try:
+                ctl.request_vm("t0", f"m{gpus}-{i:06d}", [(profile, gpus)], vcpus=gpus, memory_mib=1024 * gpus,
+                               pool=pool, provision=False)
+                placed += 1
+            except NoCapacity:
+                pass
+            lat.append(time.perf_counter() - t0)
+    finally:
+        ctl.close()
+    return {"gpus": gpus, **_stats(lat, placed), "placed": placed, "requests": len(lat)}
+
+
+RAW_SQL = (
+    "UPDATE tenant SET vms_used = vms_used + 1, vgpus_used = vgpus_used + 1 WHERE id = ? "
+    "AND (vms_limit IS NULL OR vms_used + 1 <= vms_limit)",
+    "SELECT g.id, g.host_id, g.version, g.free_units FROM gpu g JOIN host h ON h.id = g.host_id "
+    "WHERE g.pool_id = ? AND g.mode = ? AND g.model = ? AND g.free_units >= 1 AND (g.fits & ?) <> 0 "
+    "AND h.state = 'active' AND h.used_vcpus + 2 <= h.vcpus * h.cpu_overcommit ORDER BY g.free_units, g.id LIMIT 16",
+    "UPDATE host SET used_vcpus = used_vcpus + 2 WHERE id = ? AND used_vcpus + 2 <= vcpus * cpu_overcommit",
+    "UPDATE gpu SET free_units = free_units - 1, version = version + 1 WHERE id = ? AND version = ?",
+)
+
+
+def phase_raw(db: str, n: int) -> dict[str, Any]:
+    """The raw sqlite3 reference: `n` claim+quota transactions written by hand (charge the tenant, read a
+    candidate page from the gpu_candidates index, take the host's vCPUs, compare-and-set the GPU), on a copy of
+    the pre-filled store, with the store's own schema (its triggers included) and pragmas (WAL, synchronous
+    NORMAL). What the store's claim is measured against."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    pool_id = conn.execute("SELECT id FROM pool WHERE name = ?", (MULTI_PROFILE[0],)).fetchone()[0]
+    spec = _spec(MULTI_PROFILE[0])
+    bit = profile_bit(geometry_for(load_catalog(), spec.model, spec.mode), MULTI_PROFILE[1])
+    t0 = time.perf_counter()
+    done = 0
+    for _ in range(n):
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(RAW_SQL[0], (1,))
+        page = conn.execute(RAW_SQL[1], (pool_id, spec.mode.value, spec.model, bit)).fetchall()
+        if page:
+            gid, hid, version, _free = page[0]
+            conn.execute(RAW_SQL[2], (hid,))
+            done += conn.execute(RAW_SQL[3], (gid, version)).rowcount
+        conn.execute("COMMIT")
+    wall = time.perf_counter() - t0
+    conn.close()
+    return {"transactions": n, "claimed": done, "per_s": n / wall if wall else 0.0}
+
+
+def _client(url: str, state: str, reqs: Sequence[Req], start_at: float, prefix: str = "w") -> dict[str, Any]:
     """One client process of the concurrent window: its share of the requests, one at a time."""
     ctl = Controller(url, catalog=load_catalog(), state_path=Path(state))
     lat: list[float] = []
@@ -829,7 +952,7 @@ def _client(url: str, state: str, reqs: Sequence[Req], start_at: float) -> dict[
             try:
                 ctl.request_vm(
                     r.tenant,
-                    f"w{r.index:07d}",
+                    f"{prefix}{r.index:07d}",
                     [(r.profiles[0], len(r.profiles))],
                     vcpus=r.vcpus,
                     memory_mib=r.memory_mib,
@@ -846,9 +969,10 @@ def _client(url: str, state: str, reqs: Sequence[Req], start_at: float) -> dict[
     return {"latencies": lat, "placed": placed, "wall": wall, "start": start_at}
 
 
-def phase_clients(url: str, state: str, n_requests: int, seed: int, clients: int) -> dict[str, Any]:
-    """The same request sequence from `clients` processes at once (request i goes to client i mod N):
-    placements per wall-clock second of the whole window and the latency of every request."""
+def phase_clients(url: str, state: str, n_requests: int, seed: int, clients: int, prefix: str = "w") -> dict[str, Any]:
+    """The same request sequence from `clients` processes at once (request i goes to client i mod N; VMs named
+    `prefix` and the request's index): placements per wall-clock second of the whole window and the latency of
+    every request."""
     reqs = request_sequence(load_catalog(), seed, n_requests)
     ctx = multiprocessing.get_context("fork")
     start_at = time.time() + 1.0
@@ -860,6 +984,7 @@ def phase_clients(url: str, state: str, n_requests: int, seed: int, clients: int
                 [f"{state}-{k}" for k in range(clients)],
                 [reqs[k::clients] for k in range(clients)],
                 [start_at] * clients,
+                [prefix] * clients,
             )
         )
     lat = [x for o in outs for x in o["latencies"]]
@@ -874,6 +999,51 @@ def phase_clients(url: str, state: str, n_requests: int, seed: int, clients: int
         "p50_ms": s["p50_ms"],
         "p99_ms": s["p99_ms"],
     }
+
+
+ENGINE_PROCESSES = (1, 2, 4)
+
+
+@contextlib.contextmanager
+def pg_schema(base: str) -> Iterator[str]:
+    """A fresh schema in the PostgreSQL database at `base` (dropped afterwards); a store URL that uses only it."""
+    import psycopg
+
+    name = f"vgpu_bench_{uuid.uuid4().hex[:10]}"
+    admin = psycopg.connect(base, autocommit=True, connect_timeout=5)
+    try:
+        admin.execute(f'CREATE SCHEMA "{name}"')
+        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{name}"
+    finally:
+        try:
+            admin.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        finally:
+            admin.close()
+
+
+def bench_engines(n_gpus: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """SQLite and PostgreSQL on the same fleet, pre-filled alike, each taking the same request sequence from 1, 2
+    and 4 processes at once (one window after the other on the same store, the pre-fill leaving room for all):
+    placements/s and p99 per engine and process count, and PostgreSQL's ratio to SQLite."""
+    n = args.engine_requests
+    target = max(0.0, FILL_TARGET - len(ENGINE_PROCESSES) * expected_fill(load_catalog(), n_gpus, n) - 0.05)
+    out: dict[str, Any] = {"fleet_gpus": n_gpus, "requests": n, "rows": []}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    work = tmp / f"engines-{n_gpus}"
+    work.mkdir()
+    with pg_schema(args.postgres) as pg_url:
+        for engine, url in (("sqlite", f"sqlite:///{work / 'store.db'}"), ("postgresql", pg_url)):
+            built = _run(args.isolate, phase_build, url, str(work / f"state-{engine}"), n_gpus, args.build, target,
+                         args.seed)
+            out[f"{engine}_prefill"] = built["prefill"]
+            runs[engine] = [phase_clients(url, str(work / f"state-{engine}-{k}"), n, args.seed, k, f"e{k}-")
+                            for k in ENGINE_PROCESSES]
+    for sq, pg in zip(runs["sqlite"], runs["postgresql"], strict=True):
+        out["rows"].append({"processes": sq["clients"], "sqlite": sq, "postgresql": pg,
+                            "ratio": pg["placements_per_s"] / sq["placements_per_s"] if sq["placements_per_s"]
+                            else 0.0})
+    shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def _run(isolate: bool, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -916,9 +1086,14 @@ def bench_size(
     db = work / "store.db"
     url = f"sqlite:///{db}"
     target = min(0.88, max(0.0, FILL_TARGET - expected_fill(catalog, n_gpus, args.requests) - 0.02))
-    built = _run(args.isolate, phase_build, url, str(work / "state"), n_gpus, args.build, target, args.seed)
+    empty = work / "empty.db"
+    built = _run(args.isolate, phase_build, url, str(work / "state"), n_gpus, args.build, target, args.seed,
+                 str(empty) if args.multi_requests else None)
     snap = work / "snap.db"
     _backup(db, snap)
+    raw_copy = work / "raw.db"
+    _backup(snap, raw_copy)
+    raw = _run(args.isolate, phase_raw, str(raw_copy), args.raw_transactions)
     core = _run(args.isolate, phase_core, url, args.requests, args.seed, built["prefill"], n_gpus)
     prof = str(Path(args.profile) / f"store-{n_gpus}.prof") if args.profile else None
     store = _run(
@@ -963,7 +1138,20 @@ def bench_size(
         "core_peak_mib": core["peak_mib"],
         "store_cpu_ms_per_request": 1000 * store["cpu_s"] / max(len(lat_s), 1),
         "core_cpu_ms_per_request": 1000 * core["cpu_s"] / max(len(core["latencies"]), 1),
+        "raw_per_s": raw["per_s"],
+        "store_raw_ratio": s["placements_per_s"] / raw["per_s"] if raw["per_s"] else 0.0,
     }
+    if args.multi_requests:
+        multi = []
+        for k in MULTI_SIZES:
+            copy = work / f"multi-{k}.db"
+            _backup(empty, copy)
+            multi.append(_run(args.isolate, phase_multi, f"sqlite:///{copy}", str(work / f"state-m{k}"), k,
+                              args.multi_requests))
+        base = multi[0]["mean_ms"]
+        for m in multi:
+            m["ratio"] = m["mean_ms"] / base if base else 0.0
+        row["multi"] = multi
     if args.clients > 1:
         copy = work / "clients.db"
         _backup(snap, copy)
@@ -997,7 +1185,7 @@ def bench_size(
     return row
 
 
-def targets(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+def targets(rows: Sequence[Mapping[str, Any]], engines: Mapping[str, Any] | None = None) -> list[tuple[str, str, str]]:
     """(target, measured, PASS/FAIL/n/a) for each target of the issue."""
     by = {r["fleet_gpus"]: r for r in rows}
     out = []
@@ -1025,6 +1213,26 @@ def targets(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
         )
     else:
         out.append(("100,000 GPUs at >= half the rate of 1,000", "sizes not run", "n/a"))
+    for r in rows:
+        if "multi" in r:
+            worst = max(r["multi"], key=lambda m: m["ratio"])
+            out.append(
+                (
+                    f"requests for 2, 4 and 8 GPUs within 2x of 1 GPU at {r['fleet_gpus']:,} GPUs",
+                    f"worst k={worst['gpus']}: {worst['ratio']:.2f}x",
+                    "PASS" if worst["ratio"] <= 2.0 else "FAIL",
+                )
+            )
+    if engines:
+        two = next(r for r in engines["rows"] if r["processes"] == 2)
+        out.append(
+            (
+                "PostgreSQL >= 0.5 of SQLite with 2 processes",
+                f"{two['ratio']:.2f} ({two['postgresql']['placements_per_s']:.0f}/s vs "
+                f"{two['sqlite']['placements_per_s']:.0f}/s)",
+                "PASS" if two["ratio"] >= 0.5 else "FAIL",
+            )
+        )
     peak = max((r["peak_mib"] for r in rows), default=0.0)
     out.append(("peak memory < 1 GiB (store process)", f"{peak:.0f} MiB", "PASS" if peak < 1024 else "FAIL"))
     return out
@@ -1046,6 +1254,8 @@ def _cells(r: Mapping[str, Any]) -> list[str]:
         f"{r['core_placements_per_s']:.0f}",
         f"{r['store_core_ratio']:.1f}",
         f"{r['agree']}/{r['compared']}",
+        f"{r['raw_per_s']:.0f}",
+        f"{r['store_raw_ratio']:.3f}",
     ]
 
 
@@ -1083,6 +1293,25 @@ def render(report: Mapping[str, Any]) -> str:
                 f"claim only {a['placements_per_s']:.0f}/s, p50 {a['p50_ms']:.2f} ms, p99 "
                 f"{a['p99_ms']:.2f} ms ({(b['mean_ms'] / a['mean_ms']) if a['mean_ms'] else 0:.1f}x)"
             )
+    if "engines" in report:
+        e = report["engines"]
+        lines += ["", f"engines ({e['fleet_gpus']:,} GPUs, pre-filled to {100 * e['sqlite_prefill']:.1f}% / "
+                  f"{100 * e['postgresql_prefill']:.1f}%, {e['requests']} requests per window from N processes at "
+                  "once, wall clock): placements/s (p99 ms)",
+                  "  processes       SQLite   PostgreSQL  PostgreSQL/SQLite"]
+        for r in e["rows"]:
+            sq, pg = r["sqlite"], r["postgresql"]
+            lines.append(f"  {r['processes']:>9}  {sq['placements_per_s']:5.0f} ({sq['p99_ms']:5.1f})  "
+                         f"{pg['placements_per_s']:5.0f} ({pg['p99_ms']:5.1f})  {r['ratio']:17.2f}")
+    multi = [r for r in rows if "multi" in r]
+    if multi:
+        lines += ["", f"requests for k GPUs ({MULTI_PROFILE[1]} x k in pool {MULTI_PROFILE[0]}, empty fleet, "
+                  "Controller.request_vm, provision=False): mean ms (ratio to k = 1), raw sqlite3 reference in ms"]
+        lines.append("  fleet GPUs  " + "  ".join(f"{f'k={k}':>14}" for k in MULTI_SIZES) + "  raw sqlite3")
+        for r in multi:
+            cells = [f"{m['mean_ms']:7.2f} ({m['ratio']:.2f})" for m in r["multi"]]
+            lines.append(f"  {r['fleet_gpus']:>10}  " + "  ".join(f"{c:>14}" for c in cells)
+                         + f"  {1000 / r['raw_per_s'] if r['raw_per_s'] else 0:11.3f}")
     lines.append("")
     for name, got, verdict in report["targets"]:
         lines.append(f"{verdict:4}  {name}: {got}")
@@ -1107,6 +1336,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2,
         help="also replay each window's requests from this many processes at once (1: skip)",
     )
+    ap.add_argument(
+        "--multi-requests",
+        type=int,
+        default=200,
+        help="VMs per GPU count (1, 2, 4, 8) timed on the empty fleet (0: skip)",
+    )
+    ap.add_argument(
+        "--raw-transactions",
+        type=int,
+        default=3000,
+        help="raw sqlite3 claim+quota transactions timed as the reference of each size",
+    )
+    ap.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="also compare SQLite and PostgreSQL (a fresh schema in this database, e.g. "
+        "postgresql://postgres@127.0.0.1:5432/test) from 1, 2 and 4 processes at --engine-gpus GPUs",
+    )
+    ap.add_argument("--engine-gpus", type=int, default=10_000, help="fleet size of the engine comparison")
+    ap.add_argument("--engine-requests", type=int, default=500, help="requests per window of the engine comparison")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--profile", metavar="DIR", help="write a cProfile of each store window to DIR")
@@ -1125,6 +1374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as tmp:
         for i, n in enumerate(sizes):
             rows.append(bench_size(n, args, catalog, Path(tmp), i == 0 and args.provision_requests > 0))
+        engines = bench_engines(args.engine_gpus, args, Path(tmp)) if args.postgres else None
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
@@ -1134,8 +1384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sqlite": sqlite3.sqlite_version,
         },
         "rows": rows,
-        "targets": targets(rows),
+        "targets": targets(rows, engines),
     }
+    if engines:
+        report["engines"] = engines
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 1 if any(v == "FAIL" for _, _, v in report["targets"]) else 0
 

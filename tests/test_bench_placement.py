@@ -24,9 +24,11 @@ def _load() -> ModuleType:
 
 def test_tiny_fleet_table(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load()
-    rc = bench.main(["--sizes", "64", "--requests", "50", "--provision-requests", "5", "--in-process"])
+    rc = bench.main(["--sizes", "64", "--requests", "50", "--provision-requests", "5", "--multi-requests", "4",
+                     "--raw-transactions", "50", "--in-process"])
     out = capsys.readouterr().out
-    assert rc == 0, out  # no target applies to 64 GPUs but memory, which must pass
+    # no target applies to 64 GPUs but memory, which must pass, and multi-GPU requests (machine-bound: either)
+    assert rc == (1 if "FAIL  requests for 2, 4 and 8 GPUs" in out else 0), out
     lines = out.splitlines()
     assert lines[0].startswith("machine: ") and " CPUs, " in lines[0] and "date " in lines[0]
     header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("fleet GPUs"))
@@ -48,14 +50,22 @@ def test_tiny_fleet_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert compared == requests and agree == compared  # store and core made the same choices
     assert any("provisioning through simulated hosts" in line for line in lines)
     assert any("requests from 2 processes at once" in line for line in lines)
+    assert float(row["raw sqlite3/s"]) > 0 and float(row["store/raw"]) > 0
+    # requests for 1, 2, 4 and 8 GPUs on the empty fleet: each size's mean and its ratio to one GPU
+    multi = next(i for i, line in enumerate(lines) if line.startswith("requests for k GPUs"))
+    assert lines[multi + 1].split()[:6] == ["fleet", "GPUs", "k=1", "k=2", "k=4", "k=8"]
+    cells = lines[multi + 2].split()
+    assert cells[0] == "64" and cells[2] == "(1.00)" and len(cells) == 10 and float(cells[-1]) > 0
     verdicts = [line.split()[0] for line in lines if line[:4] in ("PASS", "FAIL", "n/a ")]
-    assert verdicts == ["n/a", "n/a", "PASS"]
+    assert verdicts[:2] == ["n/a", "n/a"] and verdicts[2] in ("PASS", "FAIL") and verdicts[3] == "PASS"
+    assert len(verdicts) == 4
+    assert any("requests for 2, 4 and 8 GPUs within 2x of 1 GPU at 64 GPUs" in line for line in lines)
 
 
 def test_json_and_bulk_build_match_declared(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _load()
     rc = bench.main(["--sizes", "40", "--requests", "20", "--provision-requests", "0", "--build", "bulk",
-                     "--in-process", "--json"])
+                     "--multi-requests", "0", "--raw-transactions", "20", "--in-process", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0
     (row,) = report["rows"]

@@ -45,6 +45,8 @@ CORRUPTIONS: dict[str, Callable[[Store], object]] = {
     "one-type": lambda s: _copy_device(s, "A100D-10C", 20, 20, "A100D-20C"),
     "host-usage": lambda s: s.sql("UPDATE host SET used_vcpus = used_vcpus + 3 WHERE name = 'kvm-l40s-01'"),
     "orphans": lambda s: s.sql("UPDATE device SET vm_id = 'gone' WHERE profile = 'L40S-12C'"),
+    "host-summaries": lambda s: s.sql("UPDATE host_fit SET free_units = free_units + 1 WHERE host_id = "
+                                      "(SELECT id FROM host WHERE name = 'kvm-l40s-01')"),
     "stuck": lambda s: s.sql("UPDATE vm SET state = 'placed', updated_at = '2020-01-01 00:00:00.000000' "
                              "WHERE name = 'g1'"),
 }

@@ -16,6 +16,7 @@ from vgpu_ctl.core.vm_state import HOLDS_HOST, IN_FLIGHT, VmState
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
+from vgpu_ctl.service.fit_masks import summary_drift
 from vgpu_ctl.service.quotas import VM, allocated
 from vgpu_ctl.service.requests import BASE_RESOURCES
 
@@ -225,6 +226,15 @@ def _stuck(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Pro
                       f"{RECONCILE} (finishes or rolls back interrupted requests)")
 
 
+def _host_summaries(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    hosts = {r.id: r.name for r in conn.execute(select(HOST.c.id, HOST.c.name))}
+    for (host_id, pool_id, model, mode, bit), have, want in summary_drift(conn):
+        yield Problem(f"host {hosts.get(host_id, host_id)}",
+                      f"summary of pool {pool_id}, {model} {mode}, bit {bit:#x} "
+                      f"is {have or (0, 0)} (GPUs, free units) but its GPUs give {want or (0, 0)} "
+                      "(placement may skip or miscount the host)", "run `vgpuctl init` (recomputes host summaries)")
+
+
 CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("tenant-usage", "tenant usage equals the sum of its allocations", _tenant_usage),
     ("scoped-quota", "per-pool and per-profile usage equals allocations", _scoped_usage),
@@ -233,6 +243,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("gpu-occupancy", "each GPU's layout, free units, count and type match its devices", _gpu_mirror),
     ("one-type", "equal-size GPUs hold one vGPU type", _one_type),
     ("host-usage", "host vCPU and memory use equals its VMs", _host_usage),
+    ("host-summaries", "each host summary adds up its GPUs that can take the profile", _host_summaries),
     ("orphans", "every device belongs to a VM on the same host", _orphans),
     ("stuck", "no VM stays in an intermediate state", _stuck),
 )

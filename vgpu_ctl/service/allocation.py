@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -411,6 +412,29 @@ def _gpu_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_i
             return
         yield _views(conn, catalog, rows, req.anti_affinity, pool_names)
         offset += step
+
+
+# What a GPU view holds besides its identity (its occupancy, pool, and whatever else placement reads).
+_GPU_STATE = tuple(f.name for f in fields(GpuView) if f.name not in ("gpu_id", "pci"))
+
+
+def distinct_states(hosts: Sequence[HostView], req: PlacementRequest) -> list[HostView]:
+    """The first host (in host order) of each distinct state the request can see: its GPU views but their ids
+    as a multiset, free vCPUs and memory, state, the labels the request asks for, anti-affinity groups and GPU
+    count. A policy whose score depends on that state and then on host order (all but spread-load, which also
+    weighs each GPU's measured load) always prefers that first host to the others in its state, so planning
+    over these alone chooses the same plan, with one host's work per state: on a fleet of identical empty
+    hosts, one host per page."""
+    seen: set[Any] = set()
+    out = []
+    for h in sorted(hosts, key=lambda v: v.order):
+        gpus = Counter(tuple(getattr(g, f) for f in _GPU_STATE) for g in h.gpus)
+        key = (frozenset(gpus.items()), h.free_vcpus, h.free_memory_mib, h.state,
+               tuple(h.labels.get(k) for k in req.labels), h.anti_affinity, h.gpu_count)
+        if key not in seen:
+            seen.add(key)
+            out.append(h)
+    return out
 
 
 def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],

@@ -791,7 +791,8 @@ class Controller:
 
     def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
                       pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
-        if pool.policy == "spread-load":  # weighs what the pool's GPUs were last measured doing
+        by_load = pool.policy == "spread-load"
+        if by_load:  # weighs what the pool's GPUs were last measured doing
             from vgpu_ctl.core.policies.spread_load import make_with_load
             from vgpu_ctl.service import gpu_loads
             with self.engine.connect() as side:  # not on `conn`: the claim's reads there stay outside SQLAlchemy
@@ -800,7 +801,8 @@ class Controller:
             policy = pool_policy(pool.policy, pool.demand)
         for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names,
                                           whole_hosts=policy.host_cost is not None):
-            chosen = plan(preq, page.hosts, policy)
+            # one host per distinct state: the same plan (see distinct_states), not with GPU loads in the score
+            chosen = plan(preq, page.hosts if by_load else alloc.distinct_states(page.hosts, preq), policy)
             if chosen is not None:
                 return chosen, page
         return None, alloc.Candidates([], {})
