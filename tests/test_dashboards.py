@@ -128,7 +128,8 @@ def test_the_dashboard_covers_what_it_promises() -> None:
     text = " ".join(dashboard_queries())
     for metric in ("vgpuctl_gpus", "vgpuctl_pool_profile_fits", "vgpuctl_tenant_usage", "vgpuctl_tenant_limit",
                    "vgpuctl_refusals_total", "vgpuctl_vm_provision_duration_seconds_bucket",
-                   "vgpuctl_vgpu_utilization_ratio", "vgpuctl_vgpu_idle", "vgpu_operations", "vgpu_server_leader"):
+                   "vgpuctl_vgpu_utilization_ratio", "vgpuctl_vgpu_idle", "vgpu_operations", "vgpu_server_leader",
+                   "vgpuctl_queue_length", "vgpuctl_preemptions_total", "vgpuctl_tenant_fairshare"):
         assert metric in text
     for p in panels:
         g = p["gridPos"]

@@ -143,3 +143,24 @@ def test_serve_on_loopback_scrapes_fresh_values(store: Store) -> None:
 def test_metrics_are_admin_only(store: Store) -> None:
     assert cli(store, "metrics", "dump", token=store.tokens["acme"]).exit_code == 7
     assert cli(store, "metrics", "serve", "--port", "0", token=store.tokens["acme"]).exit_code == 7
+
+
+def test_fair_share_per_tenant_follows_what_it_used(store: Store) -> None:
+    from vgpu_ctl.service.scheduling import share_report
+    fams = families(cli(store, "metrics", "dump").stdout)
+    factor = {s.labels["tenant"]: s.value for s in fams["vgpuctl_tenant_fairshare"].samples}
+    used = {(s.labels["tenant"], s.labels["resource"]): s.value for s in fams["vgpuctl_tenant_decayed_usage"].samples}
+    ctl = store.ctl()
+    try:
+        with ctl.engine.connect() as conn:
+            rows = {r["name"]: r for r in share_report(conn, ctl.catalog, ctl.principal) if r["kind"] == "tenant"}
+    finally:
+        ctl.close()
+    assert set(factor) == set(rows) and {"acme", "globex"} <= set(factor)
+    for name, r in rows.items():  # usage decays and grows by the second: only the factor is compared exactly
+        assert factor[name] == pytest.approx(r["fairshare"])
+        assert (used[(name, "fb_gib_hours")] > 0) == (r["fb_gib_hours"] > 0)
+    assert all(0.0 <= f <= 1.0 for f in factor.values()) and fams["vgpuctl_tenant_fairshare"].type == "gauge"
+    # equal shares: the tenant that used more (acme's two VMs, globex's one L40S slice) is served later
+    assert used[("acme", "compute_slice_hours")] > used[("globex", "compute_slice_hours")]
+    assert factor["acme"] < factor["globex"]

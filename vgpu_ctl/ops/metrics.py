@@ -116,6 +116,26 @@ def _events(conn: Connection) -> Iterator[Metric]:
                     "Time from a VM's claim to its first start.", provision_durations(conn))
 
 
+def _fair_share(ctl: Controller, conn: Connection) -> Iterator[Metric]:
+    """Each tenant's Fair Tree factor and decayed usage (`vgpuctl share`'s tenant rows)."""
+    from vgpu_ctl.service.scheduling import share_report
+    factor = GaugeMetricFamily(f"{PREFIX}_tenant_fairshare", "A tenant's fair-share factor, 0..1 (Fair Tree: 1 "
+                               "is served first; the queue's order within a priority class).", labels=["tenant"])
+    decayed = GaugeMetricFamily(f"{PREFIX}_tenant_decayed_usage", "A tenant's past usage with the half-life of "
+                                "fair share: framebuffer GiB-hours and compute-slice hours.",
+                                labels=["tenant", "resource"])
+    for row in share_report(conn, ctl.catalog, ctl.principal):
+        if row["kind"] != "tenant":
+            continue
+        if row["fairshare"] is not None:
+            factor.add_metric([row["name"]], row["fairshare"])
+        for resource in ("fb_gib_hours", "compute_slice_hours"):
+            if row[resource] is not None:
+                decayed.add_metric([row["name"], resource], row[resource])
+    yield factor
+    yield decayed
+
+
 def collect_metrics(ctl: Controller) -> list[Metric]:
     """Every metric family, read from the store (the scheduling ones in a second transaction)."""
     with ctl.engine.connect() as conn:
@@ -127,7 +147,7 @@ def collect_metrics(ctl: Controller) -> list[Metric]:
             for profile, n in p["fits"].items():
                 fits.add_metric([p["name"], profile], n)
         out.append(fits)
-        out += [*_tenants(conn), *_events(conn)]
+        out += [*_tenants(conn), *_events(conn), *_fair_share(ctl, conn)]
     from vgpu_ctl.service.scheduling_metrics import collect as scheduling_metrics
     return out + scheduling_metrics(ctl)  # the queue's length and waits by class, preemptions by reason
 
