@@ -187,7 +187,7 @@ _NO_LABELS = (*_CANDIDATE_COLS[:-1], null().label("labels"))
 
 
 def _order(order: CandidateOrder) -> list[Any]:
-    # Only columns of the gpu_candidates index (which ends in the row id): SQLite then reads the first page
+    # Only columns of the gpu_candidates index (which ends in the GPU id): the engine then reads the first page
     # straight from the index instead of sorting every GPU with the same free space. GPU ids follow the
     # order hosts were declared in, which is the fixed host order placement breaks ties by.
     if order is CandidateOrder.EMPTIEST_FIRST:

@@ -66,7 +66,7 @@ class Gpu(SQLModel, table=True):
         CheckConstraint("active_type IS NULL OR mode = 'vgpu-equal'", name="gpu_type_equal_only"),
         CheckConstraint("pinned_type IS NULL OR active_type IS NULL OR active_type = pinned_type",
                         name="gpu_active_matches_pin"),
-        Index("gpu_candidates", "pool_id", "mode", "model", "free_units"),
+        Index("gpu_candidates", "pool_id", "mode", "model", "free_units", "id"),  # the candidate order, to the id
     )
 
     id: int | None = Field(default=None, primary_key=True)
