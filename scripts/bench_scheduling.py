@@ -16,8 +16,18 @@ Method (stated so it can be rerun and argued with):
   with backfill (a request that does not fit does not block later ones; a shape that failed is not tried again in
   the same pass). Re-admitted victims are protected by a cool-down (--cooldown) from requests no higher than the
   one that preempted them.
+- store (--store): the same replay through the real Controller, in process, on a SQLite store in a temporary
+  folder: the sample as an inventory of simulated hosts (one pool per GPU model), the tenants' shares, the three
+  classes and the settings (half-life, cool-down, grace 0) set through the service, and each task a
+  `request_vm` (the claim, provisioning on the simulated host, preemption and reclaim by the service's rules,
+  the queue). A task tries its models' pools in turn, first without preempting, then (prod and std) letting its
+  class preempt; if none admits it, it is queued (`queue=True`) on the first such pool, and waits for that pool.
+  Departures are `release_vm`, whose admission pass re-admits what waits. The service's clock is the replay's
+  (`time.time` of the scheduling module is the trace's time), and each closed usage interval, which the store's
+  trigger stamps with the wall clock, is stamped with the trace's time, so fair share decays in trace time.
 - Reported per policy and class: tasks, wait p50 and p99 (hours from arrival to the last start), preemptions, and
-  Jain's index of the GPU-hours each tenant got over its shares; a PNG of GPU allocation and queue length over time.
+  Jain's index of the GPU-hours each tenant got over its shares; a PNG of GPU allocation and queue length over time;
+  and how long each replay took (the store's: every decision through the store, by the real code).
 """
 
 from __future__ import annotations
@@ -25,13 +35,18 @@ from __future__ import annotations
 import argparse
 import csv
 import heapq
+import math
 import struct
 import sys
+import tempfile
 import time
+import types
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vgpu_ctl import load_catalog
 from vgpu_ctl.core import preemption as pre_mod
@@ -123,7 +138,8 @@ def load(trace: str, gpus: int, max_tasks: int | None) -> tuple[list[Node], list
             run = float(r["deletion_time"] or 0) - float(r["scheduled_time"] or 0)
             if int(r["num_gpu"]) == 0 or run <= 0:
                 continue
-            tasks.append(Task(i, float(r["creation_time"]), run, int(r["cpu_milli"]) / 1000, int(r["memory_mib"]),
+            cpus = max(1, math.ceil(int(r["cpu_milli"]) / 1000))  # whole vCPUs, as the store takes them
+            tasks.append(Task(i, float(r["creation_time"]), run, cpus, max(1, int(r["memory_mib"])),
                               int(r["num_gpu"]), int(r["gpu_milli"]), f"t{i % 4}", QOS.get(r["qos"], "batch")))
             if max_tasks is not None and len(tasks) >= max_tasks:
                 break
@@ -270,26 +286,179 @@ class Sim:
             else:
                 failed.add(shape)
 
-    def run(self, sample_every: float) -> None:
-        """Replay every arrival and departure."""
-        for t in self.tasks:
-            heapq.heappush(self.events, (t.arrival, 1, t.idx, 0))
+    def queue_length(self) -> int:
+        """How many tasks wait."""
+        return len(self.queue)
+
+    def depart(self, t: Task, now: float) -> None:
+        """A task ends: off its host, and the queue is tried."""
+        self.stop(t, now)
+        self.drain(now)
+
+    def arrive(self, t: Task, now: float) -> None:
+        """A task arrives: placed, else (scheduler, prod and std) preempting, else queued."""
+        if not self.place(t, now) and not (self.scheduler and t.cls != "batch" and self.preempt(t, now)):
+            self.queue.append(t)
+
+
+def replay(sim: Any, sample_every: float) -> None:
+    """Replay every arrival and departure of `sim`'s tasks in time (`sim.arrive`, `sim.depart`; an end made stale
+    by a preemption is dropped), sampling GPU allocation and `sim.queue_length()` every `sample_every` seconds."""
+    for t in sim.tasks:
+        heapq.heappush(sim.events, (t.arrival, 1, t.idx, 0))
+    by_idx = {t.idx: t for t in sim.tasks}
+    next_sample = 0.0
+    while sim.events:
+        now, kind, idx, epoch = heapq.heappop(sim.events)
+        while now >= next_sample:
+            used = sum(t.gpu_request for t in sim.running.values())
+            sim.samples.append((next_sample, used / sim.total_gpus, sim.queue_length()))
+            next_sample += sample_every
+        t = by_idx[idx]
+        if kind == 1:
+            sim.arrive(t, now)
+        elif epoch == t.epoch and t.idx in sim.running:  # else preempted since: this end is stale
+            sim.depart(t, now)
+
+
+@contextmanager
+def trace_clock() -> Iterator[list[float]]:
+    """While open, the scheduling service's `time.time()` is the replay's clock (set `clock[0]`), its other time
+    functions the real ones."""
+    from vgpu_ctl.service import hibernation, scheduling
+    clock = [0.0]
+    fake = types.SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic, sleep=time.sleep)
+    modules = (scheduling, hibernation)
+    saved = [getattr(m, "time") for m in modules]  # noqa: B009 (the module's own `import time`)
+    for m in modules:
+        setattr(m, "time", fake)  # noqa: B010
+    try:
+        yield clock
+    finally:
+        for m, real in zip(modules, saved, strict=True):
+            setattr(m, "time", real)  # noqa: B010
+
+
+CLOCK_BASE = 1e9
+"""Trace time 0 on the service's clock: in the past, so the wall clock the store's trigger stamps on a closed
+usage interval is always after the trace's time of it (and is then replaced by it)."""
+
+
+class StoreSim:
+    """The replay through the real Controller on a temporary SQLite store (see the module's method)."""
+
+    def __init__(self, nodes: Sequence[Node], tasks: Sequence[Task], half_life: float, cooldown: float,
+                 folder: Path, clock: list[float]) -> None:
+        """Declare the sample as simulated hosts, the tenants, classes and settings, through the service."""
+        import os
+
+        from vgpu_ctl import Controller
+        os.environ["VGPU_CTL_STATE_DIR"] = str(folder / "state")
+        self.catalog = load_catalog()
+        self.tasks = [Task(t.idx, t.arrival, t.run, t.cpu, t.memory, t.num_gpu, t.milli, t.tenant, t.cls)
+                      for t in tasks]
+        self.models = sorted({n.model for n in nodes})
+        self.geometry = {n.model: n.geometry for n in nodes}
+        self.total_gpus = sum(len(n.gpus) for n in nodes)
+        self.clock, self.t0 = clock, min((t.arrival for t in tasks), default=0.0)
+        lines = ["pools:", *(f"  - {{name: {self.pool(m)}, policy: best-fit}}" for m in self.models), "hosts:"]
+        for n in nodes:
+            lines += [f"  - name: h{n.hid}", f'    uri: "simulated:///h{n.hid}"', "    driver: simulated",
+                      f"    vcpus: {int(n.vcpus)}", f"    memory_mib: {int(n.memory)}", "    gpus:"]
+            lines += [f'      - {{pci: "0000:{k + 1:02x}:00.0", model: {n.model}, mode: vgpu-equal, '
+                      f"pool: {self.pool(n.model)}}}" for k in range(len(n.gpus))]
+        (folder / "fleet.yaml").write_text("\n".join(lines) + "\n")
+        self.ctl = Controller(f"sqlite:///{folder / 'store.db'}", state_path=folder / "state")
+        self.ctl.apply_inventory(folder / "fleet.yaml")
+        for name, (value, preemptible) in CLASSES.items():
+            self.ctl.scheduling.create_class(name, value, preemptible=preemptible)
+        for tenant, shares in SHARES.items():
+            self.ctl.create_tenant(tenant)
+            self.ctl.scheduling.set_tenant(tenant, shares=shares)
+        self.ctl.scheduling.set_settings(half_life_s=half_life, grace_s=0.0, cooldown_s=cooldown)
+        self.events: list[tuple[float, int, int, int]] = []
+        self.running: dict[int, Task] = {}
+        self.samples: list[tuple[float, float, int]] = []
+        self.preemptions = 0
+
+    @staticmethod
+    def pool(model: str) -> str:
+        """The pool of a GPU model's hosts."""
+        return "p-" + model.lower()
+
+    def now(self, t: float) -> None:
+        """Move the service's clock to trace time `t`."""
+        self.clock[0] = CLOCK_BASE + t - self.t0
+
+    def vgpus(self, model: str, t: Task) -> list[tuple[str, int]] | None:
+        """The task's vGPUs on a model (None: the model has no profile for its share)."""
+        p = profile_for(self.catalog, self.geometry[model], t.milli)
+        return None if p is None else [(p, t.num_gpu)]
+
+    def request(self, t: Task) -> None:
+        """Request the task's VM: each pool as it is, then (a preempting class) each pool letting it preempt,
+        else queue it on its first pool."""
+        from vgpu_ctl.errors import Refused
+        asks = [(self.pool(m), v) for m in self.models if (v := self.vgpus(m, t)) is not None]
+        tries = [(pool, v, False) for pool, v in asks]
+        if t.cls != "batch":  # as the core replay: prod and std preempt, batch waits
+            tries += [(pool, v, True) for pool, v in asks]
+        for pool, v, preempt in tries:
+            try:
+                self.ctl.request_vm(t.tenant, f"t{t.idx}", v, vcpus=int(t.cpu), memory_mib=int(t.memory),
+                                    pool=pool, priority=t.cls, preempt=preempt)
+                return
+            except Refused:
+                continue
+        if asks:
+            self.ctl.request_vm(t.tenant, f"t{t.idx}", asks[0][1], vcpus=int(t.cpu), memory_mib=int(t.memory),
+                                pool=asks[0][0], priority=t.cls, preempt=False, queue=True)
+
+    def observe(self, now: float) -> None:
+        """What the store runs now: tasks started (a departure each at now + run) and tasks preempted (their
+        pending departure dropped, a restart counted); the usage intervals it closed, stamped with trace time."""
+        from sqlalchemy import text
+        with self.ctl.engine.begin() as conn:
+            names = {int(r[0][1:]) for r in conn.execute(text("SELECT name FROM vm"))}
+            conn.execute(text("UPDATE usage_interval SET ended = MAX(started, :now) WHERE ended > :now"),
+                         {"now": self.clock[0]})
         by_idx = {t.idx: t for t in self.tasks}
-        next_sample = 0.0
-        while self.events:
-            now, kind, idx, epoch = heapq.heappop(self.events)
-            while now >= next_sample:
-                used = sum(t.gpu_request for t in self.running.values())
-                self.samples.append((next_sample, used / self.total_gpus, len(self.queue)))
-                next_sample += sample_every
+        for idx in names - set(self.running):
             t = by_idx[idx]
-            if kind == 0:
-                if epoch != t.epoch or t.idx not in self.running:
-                    continue  # preempted since: this end is stale
-                self.stop(t, now)
-                self.drain(now)
-            elif not self.place(t, now) and not (self.scheduler and t.cls != "batch" and self.preempt(t, now)):
-                self.queue.append(t)
+            t.start = now
+            self.running[idx] = t
+            heapq.heappush(self.events, (now + t.run, 0, idx, t.epoch))
+        for idx in set(self.running) - names:  # gone without its departure: preempted (requeued or cancelled)
+            t = self.running.pop(idx)
+            t.gpu_hours += (now - (t.start or now)) * t.gpu_request / 3600
+            t.start, t.epoch = None, t.epoch + 1
+            t.preemptions += 1
+            self.preemptions += 1
+
+    def queue_length(self) -> int:
+        """How many requests wait in the store's queue."""
+        from sqlalchemy import text
+        with self.ctl.engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM operation WHERE state = 'pending' "
+                                         "AND lease_holder = 'queue'")).scalar() or 0)
+
+    def depart(self, t: Task, now: float) -> None:
+        """A task ends: its VM is deleted (whose admission pass starts what waits)."""
+        self.now(now)
+        self.running.pop(t.idx)
+        t.gpu_hours += (now - (t.start or now)) * t.gpu_request / 3600
+        self.ctl.release_vm(f"{t.tenant}/t{t.idx}")
+        self.observe(now)
+
+    def arrive(self, t: Task, now: float) -> None:
+        """A task arrives: its VM is requested (see `request`)."""
+        self.now(now)
+        self.request(t)
+        self.observe(now)
+
+    def close(self) -> None:
+        """Close the store."""
+        self.ctl.close()
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -300,7 +469,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def jain(sim: Sim) -> float:
+def jain(sim: Any) -> float:
     """Jain's index of each tenant's GPU-hours over its shares."""
     got = dict.fromkeys(SHARES, 0.0)
     for t in sim.tasks:
@@ -310,7 +479,7 @@ def jain(sim: Sim) -> float:
     return sum(x) ** 2 / (len(x) * sum(v * v for v in x))
 
 
-def report(sims: dict[str, Sim]) -> str:
+def report(sims: dict[str, Any]) -> str:
     """The table."""
     lines = [f"{'policy':10} {'class':6} {'tasks':>6} {'wait p50 h':>10} {'wait p99 h':>10} {'preempted':>9} "
              f"{'not run':>7}"]
@@ -328,11 +497,11 @@ def report(sims: dict[str, Sim]) -> str:
     return "\n".join(lines)
 
 
-def png(path: Path, sims: dict[str, Sim], width: int = 900, height: int = 500) -> None:
+def png(path: Path, sims: dict[str, Any], width: int = 900, height: int = 500) -> None:
     """A PNG (no plotting library): GPU allocation (top) and queue length (bottom) over time, FIFO red,
-    scheduler blue."""
+    scheduler blue, the store green."""
     px = [[(255, 255, 255)] * width for _ in range(height)]
-    colors = {"fifo": (220, 40, 40), "scheduler": (30, 80, 220)}
+    colors = {"fifo": (220, 40, 40), "scheduler": (30, 80, 220), "store": (30, 160, 60)}
     half = height // 2
     t_end = max(s.samples[-1][0] for s in sims.values() if s.samples) or 1.0
     q_max = max((q for s in sims.values() for _, _, q in s.samples), default=1) or 1
@@ -368,20 +537,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cooldown-h", type=float, default=1.0, help="cool-down of re-admitted victims, hours")
     ap.add_argument("--exact", type=int, default=6, help="victim candidates per host tried exhaustively")
     ap.add_argument("--png", type=Path, default=Path("bench_scheduling.png"), help="where to write the plot")
+    ap.add_argument("--store", action="store_true",
+                    help="also replay through the real Controller on a SQLite store (slower: use --tasks)")
     args = ap.parse_args(argv)
     pre_mod.EXACT_LIMIT = args.exact
     nodes, tasks = load(args.trace, args.gpus, args.tasks)
     span = max(t.arrival for t in tasks) - min(t.arrival for t in tasks)
     print(f"{len(nodes)} hosts, {sum(len(n.gpus) for n in nodes)} GPUs, {len(tasks)} tasks over "
           f"{span / 86400:.1f} days ({args.trace})")
-    sims: dict[str, Sim] = {}
+    sims: dict[str, Any] = {}
+    took: dict[str, float] = {}
     for name, sched in (("fifo", False), ("scheduler", True)):
         began = time.perf_counter()
         sim = Sim(nodes, tasks, sched, args.half_life_h * 3600, args.cooldown_h * 3600)
-        sim.run(sample_every=max(span / 400, 1.0))
-        sims[name] = sim
-        print(f"{name}: replayed in {time.perf_counter() - began:.1f} s", file=sys.stderr)
+        replay(sim, sample_every=max(span / 400, 1.0))
+        sims[name], took[name] = sim, time.perf_counter() - began
+    if args.store:
+        with tempfile.TemporaryDirectory(prefix="bench-sched-") as folder, trace_clock() as clock:
+            began = time.perf_counter()
+            store = StoreSim(nodes, tasks, args.half_life_h * 3600, args.cooldown_h * 3600, Path(folder), clock)
+            try:
+                replay(store, sample_every=max(span / 400, 1.0))
+            finally:
+                store.close()
+            sims["store"], took["store"] = store, time.perf_counter() - began
     print(report(sims))
+    print("replayed in " + ", ".join(f"{name} {s:.1f} s ({len(tasks) / s:.0f} tasks/s)" for name, s in took.items()))
     png(args.png, sims)
     print(f"plot: {args.png}")
     return 0

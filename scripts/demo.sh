@@ -80,9 +80,13 @@ v vm create --tenant acme --name batch-1 --profile A100-80GB --vcpus 4 --memory 
 v vm create --tenant beta --name serve-1 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training \
   --priority prod --preempt --dry-run              # the victims, before anything happens
 v vm create --tenant beta --name serve-1 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training --priority prod
-v queue                                            # acme/batch-1 waits, requeued with its id and disk
+v vm create --tenant beta --name serve-2 --profile A100-80GB --vcpus 4 --memory 8GiB --pool training \
+  --priority prod --queue                          # nothing lower to preempt (serve-1 is prod): it waits
+v queue                                            # serve-2 first (prod), then acme/batch-1, requeued with its id
 v share
-v vm delete beta/serve-1                           # capacity frees: the queue admits acme/batch-1 again
+v vm delete beta/serve-1                           # capacity frees: the queue admits beta/serve-2
+v queue                                            # acme/batch-1 still waits
+v vm delete beta/serve-2                           # and now acme/batch-1 runs again
 v vm show acme/batch-1
-v events --tenant acme -o wide | tail -n 8        # vm.preempted (by whom, why), vm.admit (requeued)
+v events -o wide | grep -E ' vm\.(preempt|preempted|queue|admit) '   # the story, in the audit trail
 echo "demo store: $VGPU_CTL_STATE_DIR/vgpu-ctl.db"

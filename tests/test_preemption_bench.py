@@ -36,3 +36,19 @@ def test_small_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     sched_prod = next(line for line in text.splitlines() if line.split()[:2] == ["scheduler", "prod"])
     assert int(sched_prod.split()[5]) == 0 and int(fifo_prod.split()[5]) == 0  # prod is never preempted
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the Alibaba trace is not in ../shared/traces")
+def test_small_replay_through_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    assert bench.main(["--tasks", "120", "--gpus", "40", "--store",  # type: ignore[attr-defined]
+                       "--png", str(tmp_path / "plot.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {tuple(line.split()[:2]): line.split() for line in lines if line.split()[:1] == ["store"]}
+    assert set(rows) == {("store", "prod"), ("store", "std"), ("store", "batch")}
+    assert rows[("store", "prod")][5] == "0"  # prod is never preempted through the service either
+    core = {tuple(line.split()[:2]): line.split() for line in lines if line.split()[:1] == ["scheduler"]}
+    assert [rows[("store", c)][2] for c in ("prod", "std", "batch")] == \
+        [core[("scheduler", c)][2] for c in ("prod", "std", "batch")]  # the same tasks
+    assert any(line.startswith("store: Jain's index") for line in lines)
+    assert any("store" in line and "tasks/s" in line for line in lines if line.startswith("replayed in"))

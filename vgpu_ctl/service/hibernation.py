@@ -11,10 +11,11 @@ the host has no room), then starts the domain, which restores the managed save i
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table, select, update
+from sqlalchemy.engine import Connection
 
 from vgpu_ctl.core.priority import PreemptionMode
 from vgpu_ctl.core.vm_state import VmState
@@ -59,6 +60,19 @@ def supported_modes(declared: Mapping[str, Collection[str]] | None, profiles: Co
     return frozenset(modes), notes
 
 
+def _host_step(ctl: Controller, vm_id: str, holder: str, step: Callable[[], None],
+               undo: Callable[[Connection], None]) -> None:
+    """Run `step` on the VM's host while `holder`'s lease is renewed; if it fails, `undo` in a transaction and
+    raise again."""
+    try:
+        with Renewal(ctl, vm_id, holder):
+            step()
+    except VgpuCtlError:
+        with ctl.tx() as conn:
+            undo(conn)
+        raise
+
+
 def hibernate(ctl: Controller, vm_id: str) -> None:
     """Hibernate a running VM: in the store first (state hibernated, its host's vCPUs and memory given back, so a
     crash after it leaves a VM the queue resumes), then the managed save on its host; a failed save puts it back
@@ -73,14 +87,11 @@ def hibernate(ctl: Controller, vm_id: str) -> None:
         host_id = vm.host_id
         alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
         _vm, host, _devs = _load(ctl, conn, vm_id)
-    try:
-        with Renewal(ctl, vm_id, holder):
-            ctl.hosts.get(host).managed_save(domain_name(vm))
-    except VgpuCtlError:
-        with ctl.tx() as conn:
-            if advance(conn, vm_id, holder, (VmState.HIBERNATED,), VmState.RUNNING, keep_lease=False):
-                alloc.release_host(conn, host_id, -vm.vcpus, -vm.memory_mib)  # it still runs: charged again
-        raise
+    def undo(conn: Connection) -> None:
+        if advance(conn, vm_id, holder, (VmState.HIBERNATED,), VmState.RUNNING, keep_lease=False):
+            alloc.release_host(conn, host_id, -vm.vcpus, -vm.memory_mib)  # it still runs: charged again
+
+    _host_step(ctl, vm_id, holder, lambda: ctl.hosts.get(host).managed_save(domain_name(vm)), undo)
     with ctl.tx() as conn:
         drop(conn, vm_id, holder)
 
@@ -105,14 +116,11 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
                              reasons=[{"kind": "host", "host": host_name, "vcpus": vm.vcpus,
                                        "memory_mib": vm.memory_mib}]) from None
         _vm, host, _devs = _load(ctl, conn, vm_id)
-    try:
-        with Renewal(ctl, vm_id, holder):
-            ctl.hosts.get(host).start_domain(domain_name(vm))
-    except VgpuCtlError:
-        with ctl.tx() as conn:
-            alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
-            drop(conn, vm_id, holder)
-        raise
+    def give_back(conn: Connection) -> None:
+        alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
+        drop(conn, vm_id, holder)
+
+    _host_step(ctl, vm_id, holder, lambda: ctl.hosts.get(host).start_domain(domain_name(vm)), give_back)
     h = history or {}
     with ctl.tx() as conn:
         if not advance(conn, vm_id, holder, (VmState.HIBERNATED,), VmState.RUNNING, keep_lease=False):
