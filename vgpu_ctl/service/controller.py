@@ -50,6 +50,7 @@ from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
 from vgpu_ctl.service.leases import check_generation, expiry, new_holder
+from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.service.principals import (
     Principal,
     authenticate,
@@ -70,6 +71,8 @@ from vgpu_ctl.service.requests import (
     VmRequest,
 )
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.tenants import TenantRow
+from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.hosts.protocol import DomainInfo
@@ -82,13 +85,11 @@ _ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of 
 MAX_RETRIES = 30
 
 # The claim path's statements, compiled once (see vgpu_ctl.store.prepared).
-_TENANT_BY_NAME = Prepared(select(alloc.TENANT).where(alloc.TENANT.c.name == bindparam("name")))
 # A pool's demand as its stored JSON text: the policy is cached by it (see pool_policy).
 _POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
 _POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
 _ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
 _INSERT_VM = insert_all(VM)
-_TENANT_ID = Prepared(select(alloc.TENANT.c.id).where(alloc.TENANT.c.name == bindparam("name")))
 _VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
                                             VM.c.idempotency_key == bindparam("key")))
 
@@ -196,14 +197,14 @@ class Controller:
             raise PermissionDenied(f"{what} changes the store; a reader token ({self.principal.actor}) may only "
                                    "read", reasons=[{"field": "role", "value": "reader"}])
 
-    def _tenant_row(self, conn: Connection, name: str) -> Any:
-        rows = _TENANT_BY_NAME.rows(conn, {"name": name})
-        self._visible_tenant(name, rows[0].id if rows else None)
-        return rows[0]
+    def _tenant_row(self, conn: Connection, name: str) -> TenantRow:
+        row = STORE.tenants.tenant_by_name(conn, name)
+        self._visible_tenant(name, row.id if row is not None else None)
+        assert row is not None
+        return row
 
     def _tenant_id(self, conn: Connection, name: str) -> int:
-        row = _TENANT_ID.run(conn, {"name": name}).fetchone()
-        return self._visible_tenant(name, row[0] if row else None)
+        return self._visible_tenant(name, STORE.tenants.tenant_id(conn, name))
 
     def _visible_tenant(self, name: str, tenant_id: int | None) -> int:
         """The tenant's id if it exists and the caller may see it (the admin, or that tenant); else NotFound."""
@@ -291,21 +292,22 @@ class Controller:
     def inventory(self) -> dict[str, Any]:
         """Pools, hosts and GPUs as the store holds them (the admin and readers)."""
         self.principal.require_reader("inventory show")
+        inv = STORE.inventory
         with self.engine.connect() as conn:
-            pools = {r.id: r.name for r in conn.execute(select(POOL))}
+            by_name = inv.pools_by_name(conn)
+            pools = {r["id"]: r["name"] for r in by_name}
             hosts = []
-            for h in conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all():
-                gpus = [{"pci": g.pci_address, "model": g.model, "mode": g.mode, "pool": pools.get(g.pool_id),
-                         "vgpu_type": g.pinned_type, "layout": g.layout, "devices": g.device_count,
-                         "free_units": g.free_units, "axis_units": g.axis_units}
-                        for g in conn.execute(select(alloc.GPU).where(alloc.GPU.c.host_id == h.id)
-                                              .order_by(alloc.GPU.c.pci_address))]
-                hosts.append({"name": h.name, "uri": h.uri, "driver": h.driver,
-                              "simulated": h.driver == "simulated", "state": h.state, "labels": h.labels,
-                              "vcpus": h.vcpus, "memory_mib": h.memory_mib, "used_vcpus": h.used_vcpus,
-                              "used_memory_mib": h.used_memory_mib, "gpus": gpus})
-            pool_list = [{"name": r.name, "policy": r.policy, "template": r.template, "description": r.description}
-                         for r in conn.execute(select(POOL).order_by(POOL.c.name))]
+            for h in inv.hosts_by_name(conn):
+                gpus = [{"pci": g["pci_address"], "model": g["model"], "mode": g["mode"],
+                         "pool": pools.get(g["pool_id"]), "vgpu_type": g["pinned_type"], "layout": g["layout"],
+                         "devices": g["device_count"], "free_units": g["free_units"], "axis_units": g["axis_units"]}
+                        for g in inv.host_gpus(conn, h["id"])]
+                hosts.append({"name": h["name"], "uri": h["uri"], "driver": h["driver"],
+                              "simulated": h["driver"] == "simulated", "state": h["state"], "labels": h["labels"],
+                              "vcpus": h["vcpus"], "memory_mib": h["memory_mib"], "used_vcpus": h["used_vcpus"],
+                              "used_memory_mib": h["used_memory_mib"], "gpus": gpus})
+        pool_list = [{"name": r["name"], "policy": r["policy"], "template": r["template"],
+                      "description": r["description"]} for r in by_name]
         return {"pools": pool_list, "hosts": hosts}
 
     def pools(self) -> list[dict[str, Any]]:
@@ -313,12 +315,11 @@ class Controller:
         from vgpu_ctl.core.geometry import geometry_for
         with self.engine.connect() as conn:
             out = []
-            for p in conn.execute(select(POOL).order_by(POOL.c.name)).all():
-                gpus = conn.execute(select(alloc.GPU.c.model, alloc.GPU.c.mode)
-                                    .where(alloc.GPU.c.pool_id == p.id)).all()
+            for p in STORE.inventory.pools_by_name(conn):
+                gpus = STORE.inventory.pool_gpu_kinds(conn, p["id"])
                 offered = sorted({s for m, mode in set(gpus) for s in geometry_for(self.catalog, m, mode).shapes})
-                out.append({"name": p.name, "policy": p.policy, "gpus": len(gpus), "profiles": offered,
-                            "template": p.template, "description": p.description, "demand": p.demand})
+                out.append({"name": p["name"], "policy": p["policy"], "gpus": len(gpus), "profiles": offered,
+                            "template": p["template"], "description": p["description"], "demand": p["demand"]})
         return out
 
     # -- tenants and quotas -----------------------------------------------------------------------------------
@@ -327,24 +328,19 @@ class Controller:
         """Add a tenant (no limits: everything unlimited until quotas are set)."""
         self._admin("tenant create")
         check_name("tenant", name)
-        try:
-            with self.tx() as conn:
-                conn.execute(alloc.TENANT.insert().values(name=name))
-                record(conn, self.principal.actor, "tenant.create", name, tenant=name)
-        except IntegrityError:
-            raise Conflict(f"tenant {name!r} already exists", reasons=[{"field": "tenant", "value": name}]) from None
+        with self.tx() as conn:
+            if not STORE.tenants.add_tenant(conn, name):
+                raise Conflict(f"tenant {name!r} already exists", reasons=[{"field": "tenant", "value": name}])
+            record(conn, self.principal.actor, "tenant.create", name, tenant=name)
         return {"name": name}
 
     def list_tenants(self) -> list[dict[str, Any]]:
         """Tenants (a tenant caller sees only itself)."""
         with self.engine.connect() as conn:
-            q = select(alloc.TENANT).order_by(alloc.TENANT.c.name)
-            if self.principal.tenant_id is not None:
-                q = q.where(alloc.TENANT.c.id == self.principal.tenant_id)
             return [{"name": t.name, "vms": t.vms_used, "vgpus": t.vgpus_used,
                      "framebuffer_mib": t.framebuffer_mib_used, "has_token": t.token_hash is not None,
                      "generation": t.generation}
-                    for t in conn.execute(q)]
+                    for t in STORE.tenants.tenant_rows(conn, self.principal.tenant_id)]
 
     def get_tenant(self, name: str) -> dict[str, Any]:
         """One tenant with its generation (its ETag), usage and limits (a tenant caller sees only itself)."""
@@ -360,12 +356,11 @@ class Controller:
         with self.tx() as conn:
             t = self._tenant_row(conn, name)
             check_generation(t, if_generation, "tenant", name)
-            vms = [r[0] for r in conn.execute(select(VM.c.name).where(VM.c.tenant_id == t.id))]
+            vms = STORE.tenants.tenant_vm_names(conn, t.id)
             if vms:
-                raise Conflict(f"tenant {name!r} still has VMs: {', '.join(sorted(vms))}; delete them first",
-                               reasons=[{"tenant": name, "vms": sorted(vms)}])
-            conn.execute(alloc.SCOPED.delete().where(alloc.SCOPED.c.tenant_id == t.id))
-            conn.execute(alloc.TENANT.delete().where(alloc.TENANT.c.id == t.id))
+                raise Conflict(f"tenant {name!r} still has VMs: {', '.join(vms)}; delete them first",
+                               reasons=[{"tenant": name, "vms": vms}])
+            STORE.tenants.remove_tenant(conn, t.id)
             record(conn, self.principal.actor, "tenant.delete", name, tenant=name)
 
     def issue_token(self, name: str) -> str:
@@ -374,7 +369,7 @@ class Controller:
         token = new_token("vgt")
         with self.tx() as conn:
             t = self._tenant_row(conn, name)
-            conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=hash_token(token)))
+            STORE.tenants.set_token_hash(conn, t.id, hash_token(token))
             record(conn, self.principal.actor, "tenant.token", name, tenant=name)
         return token
 
@@ -383,7 +378,7 @@ class Controller:
         self._admin("tenant token --revoke")
         with self.tx() as conn:
             t = self._tenant_row(conn, name)
-            conn.execute(alloc.TENANT.update().where(alloc.TENANT.c.id == t.id).values(token_hash=None))
+            STORE.tenants.set_token_hash(conn, t.id, None)
             record(conn, self.principal.actor, "tenant.token.revoke", name, tenant=name)
 
     def create_api_token(self, name: str, role: str) -> str:
@@ -945,19 +940,17 @@ class Controller:
                    params={"name": req.name, "host": host, "domain": domain.name, "active": domain.active})
         return self.get_vm(claim.vm_id)
 
-    def _vm_row(self, conn: Connection, ref: str) -> Any:
-        q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id)
-        cond = VM.c.id == ref
+    def _vm_row(self, conn: Connection, ref: str) -> VmRow:
+        vms = STORE.vms
         if "/" in ref:
             tname, _, vname = ref.partition("/")
-            cond = (alloc.TENANT.c.name == tname) & (VM.c.name == vname)
-        rows = conn.execute(q.where(cond)).all()
-        if not rows and "/" not in ref:
-            rows = conn.execute(q.where(VM.c.name == ref)).all()
+            rows = vms.vms_by(conn, tenant=tname, name=vname)
+        else:
+            rows = vms.vms_by(conn, vm_id=ref) or vms.vms_by(conn, name=ref)
         if self.principal.tenant_id is not None:
             rows = [r for r in rows if r.tenant_id == self.principal.tenant_id]
         if not rows and _ID_PREFIX.fullmatch(ref):  # a unique prefix of the id, as `vm list` shows it
-            rows = [r for r in conn.execute(q.where(VM.c.id.like(f"{ref}%")).limit(50)).all()
+            rows = [r for r in vms.vms_by(conn, id_prefix=ref, limit=50)
                     if self.principal.tenant_id is None or r.tenant_id == self.principal.tenant_id]
             if len(rows) > 1:
                 raise InvalidInput(f"VM id prefix {ref!r} matches {len(rows)} VMs "
@@ -970,19 +963,15 @@ class Controller:
                                reasons=[{"field": "vm", "value": ref}])
         return rows[0]
 
-    def _vm_info(self, conn: Connection, vm: Any) -> VmInfo:
-        host = conn.execute(select(alloc.HOST.c.name, alloc.HOST.c.driver)
-                            .where(alloc.HOST.c.id == vm.host_id)).first() if vm.host_id else None
-        pool = conn.execute(select(POOL.c.name).where(POOL.c.id == vm.pool_id)).scalar() if vm.pool_id else None
-        devs = conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address)
-                            .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
-                            .where(alloc.DEVICE.c.vm_id == vm.id).order_by(alloc.DEVICE.c.gpu_id,
-                                                                          alloc.DEVICE.c.start)).all()
-        devices = tuple(DeviceInfo(d.id, f"{host.name if host else '?'}/{d.pci_address}", d.gpu_id, d.profile,
-                                   d.kind, d.start, d.size, d.uuid, d.backing, d.state) for d in devs)
-        return VmInfo(vm.id, vm.name, vm.tenant_name, host.name if host else None, pool, vm.state, vm.vcpus,
+    def _vm_info(self, conn: Connection, vm: VmRow) -> VmInfo:
+        host = STORE.vms.host_of(conn, vm.host_id) if vm.host_id else None
+        pool = STORE.vms.pool_name(conn, vm.pool_id) if vm.pool_id else None
+        devices = tuple(DeviceInfo(d.id, f"{host[0] if host else '?'}/{d.pci_address}", d.gpu_id, d.profile,
+                                   d.kind, d.start, d.size, d.uuid, d.backing, d.state)
+                        for d in STORE.vms.vm_devices(conn, vm.id))
+        return VmInfo(vm.id, vm.name, str(vm.tenant_name), host[0] if host else None, pool, vm.state, vm.vcpus,
                       vm.memory_mib, vm.framebuffer_mib, devices, vm.error, vm.domain_uuid,
-                      bool(host and host.driver == "simulated"), vm.generation)
+                      bool(host and host[1] == "simulated"), vm.generation)
 
     def get_vm(self, ref: str) -> VmInfo:
         """One VM by id, name, or TENANT/NAME (a tenant caller sees only its own)."""
@@ -992,13 +981,8 @@ class Controller:
     def list_vms(self, tenant: str | None = None) -> list[VmInfo]:
         """VMs, of one tenant or all (a tenant caller sees only its own)."""
         with self.engine.connect() as conn:
-            q = select(VM, alloc.TENANT.c.name.label("tenant_name")).join(
-                alloc.TENANT, alloc.TENANT.c.id == VM.c.tenant_id).order_by(alloc.TENANT.c.name, VM.c.name)
-            if tenant is not None:
-                q = q.where(VM.c.tenant_id == self._tenant_row(conn, tenant).id)
-            if self.principal.tenant_id is not None:
-                q = q.where(VM.c.tenant_id == self.principal.tenant_id)
-            return [self._vm_info(conn, vm) for vm in conn.execute(q).all()]
+            only = self._tenant_row(conn, tenant).id if tenant is not None else self.principal.tenant_id
+            return [self._vm_info(conn, vm) for vm in STORE.vms.tenant_vms(conn, only)]
 
     def release_vm(self, ref: str, if_generation: int | None = None) -> None:
         """Delete a VM: its domain, then its devices, then its claim and quota charge (PreconditionFailed,
@@ -1131,16 +1115,10 @@ class Controller:
     def events(self, tenant: str | None = None, since: Any = None, limit: int = 1000) -> list[dict[str, Any]]:
         """Audit events, newest last (a tenant caller sees only its own); at most `limit` (1 to MAX_EVENTS)."""
         check_int("limit", limit, 1, MAX_EVENTS)
-        from vgpu_ctl.store.tables import EVENT
-        q = select(EVENT).order_by(EVENT.c.id)
         if self.principal.tenant is not None:
             tenant = self.principal.tenant
-        if tenant is not None:
-            q = q.where(EVENT.c.tenant == tenant)
-        if since is not None:
-            q = q.where(EVENT.c.time >= since)
         with self.engine.connect() as conn:
-            rows = conn.execute(q.limit(limit)).all()
+            rows = STORE.events.event_rows(conn, tenant, since, limit)
         return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]
 

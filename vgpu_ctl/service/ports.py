@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.events import EventRow
 from vgpu_ctl.store.fleet import FleetRows
 from vgpu_ctl.store.hosts import HostState
 from vgpu_ctl.store.idempotency import KeyRow
@@ -17,9 +18,10 @@ from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
 from vgpu_ctl.store.sql import SqlStore
+from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
-from vgpu_ctl.store.vms import VmRow
+from vgpu_ctl.store.vms import DeviceRow, VmRow
 
 
 class TokenStore(Protocol):
@@ -47,6 +49,9 @@ class EventStore(Protocol):
     def add_event(self, tx: Tx, actor: str, action: str, target: str, tenant: str | None,
                   params: dict[str, Any], result: str, error: str | None) -> None:
         """Write one audit event."""
+
+    def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
+        """Events, oldest first, of a tenant and since a time when given."""
 
 
 class FleetStore(Protocol):
@@ -152,6 +157,18 @@ class InventoryStore(Protocol):
     def add_gpus(self, tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
         """Insert GPUs."""
 
+    def pools_by_name(self, tx: Tx) -> list[Row]:
+        """Every pool, by name."""
+
+    def hosts_by_name(self, tx: Tx) -> list[Row]:
+        """Every host, by name."""
+
+    def host_gpus(self, tx: Tx, host_id: int) -> list[Row]:
+        """A host's GPUs, by PCI address."""
+
+    def pool_gpu_kinds(self, tx: Tx, pool_id: int) -> list[tuple[str, str]]:
+        """(model, mode) of each GPU in a pool."""
+
 
 class LeaderLeaseStore(Protocol):
     """The leader's lease."""
@@ -253,6 +270,27 @@ class TenantStore(Protocol):
     def tenant_name(self, tx: Tx, tenant_id: int) -> str | None:
         """A tenant's name by id."""
 
+    def tenant_id(self, tx: Tx, name: str) -> int | None:
+        """A tenant's id by name."""
+
+    def tenant_by_name(self, tx: Tx, name: str) -> TenantRow | None:
+        """A tenant by name."""
+
+    def tenant_rows(self, tx: Tx, only_id: int | None = None) -> list[TenantRow]:
+        """Every tenant (or one), by name."""
+
+    def add_tenant(self, tx: Tx, name: str) -> bool:
+        """Insert a tenant; False when the name is taken."""
+
+    def tenant_vm_names(self, tx: Tx, tenant_id: int) -> list[str]:
+        """The tenant's VM names, sorted."""
+
+    def remove_tenant(self, tx: Tx, tenant_id: int) -> None:
+        """Delete a tenant and its scoped limits."""
+
+    def set_token_hash(self, tx: Tx, tenant_id: int, digest: str | None) -> None:
+        """Set or clear the hash of a tenant's token."""
+
 
 class VmStore(Protocol):
     """VMs: the row, and the compare-and-sets on state and lease."""
@@ -270,6 +308,22 @@ class VmStore(Protocol):
     def set_vm_lease(self, tx: Tx, vm_id: str, holder: str, holder_after: str | None,
                      expires: datetime | None) -> bool:
         """Set the lease if `holder` has it; whether it did."""
+
+    def vms_by(self, tx: Tx, *, vm_id: str | None = None, tenant: str | None = None, name: str | None = None,
+               id_prefix: str | None = None, limit: int | None = None) -> list[VmRow]:
+        """VMs (with their tenant's name) by id, name (in a tenant), or id prefix."""
+
+    def tenant_vms(self, tx: Tx, tenant_id: int | None) -> list[VmRow]:
+        """Every VM (or a tenant's), with its tenant's name, by tenant and name."""
+
+    def vm_devices(self, tx: Tx, vm_id: str) -> list[DeviceRow]:
+        """A VM's devices, by GPU and start."""
+
+    def host_of(self, tx: Tx, host_id: int) -> tuple[str, str] | None:
+        """A host's (name, driver)."""
+
+    def pool_name(self, tx: Tx, pool_id: int) -> str | None:
+        """A pool's name."""
 
 
 class Store(Protocol):

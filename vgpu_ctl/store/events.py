@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import select
 
 from vgpu_ctl.store.models import utcnow
 from vgpu_ctl.store.prepared import insert_all
@@ -17,3 +20,27 @@ def add_event(tx: Tx, actor: str, action: str, target: str, tenant: str | None, 
     """Write one audit event, stamped now."""
     _INSERT_EVENT.run(tx, {"time": utcnow(), "actor": actor, "tenant": tenant, "action": action,
                            "target": target, "params": params, "result": result, "error": error})
+
+
+class EventRow(NamedTuple):
+    """One audit event."""
+
+    id: int
+    time: datetime
+    actor: str
+    tenant: str | None
+    action: str
+    target: str
+    params: dict[str, Any]
+    result: str
+    error: str | None
+
+
+def event_rows(tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
+    """Up to `limit` events, oldest first: only the tenant's when given, only those at or after `since`."""
+    q = select(*[EVENT.c[n] for n in EventRow._fields]).order_by(EVENT.c.id)
+    if tenant is not None:
+        q = q.where(EVENT.c.tenant == tenant)
+    if since is not None:
+        q = q.where(EVENT.c.time >= since)
+    return [EventRow(*r) for r in tx.execute(q.limit(limit)).all()]

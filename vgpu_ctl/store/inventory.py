@@ -119,3 +119,24 @@ def add_gpus(tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
     """Insert GPUs (each a dict of columns with its host_id)."""
     for chunk in _chunks(rows):
         tx.execute(GPU.insert(), chunk)
+
+
+def pools_by_name(tx: Tx) -> list[Row]:
+    """Every pool, by name."""
+    return list(tx.execute(select(POOL).order_by(POOL.c.name)).mappings().all())
+
+
+def hosts_by_name(tx: Tx) -> list[Row]:
+    """Every host, by name."""
+    return list(tx.execute(select(HOST).order_by(HOST.c.name)).mappings().all())
+
+
+def host_gpus(tx: Tx, host_id: int) -> list[Row]:
+    """The host's GPUs, by PCI address."""
+    return list(tx.execute(select(GPU).where(GPU.c.host_id == host_id).order_by(GPU.c.pci_address)).mappings().all())
+
+
+def pool_gpu_kinds(tx: Tx, pool_id: int) -> list[tuple[str, str]]:
+    """(model, mode) of each GPU in the pool."""
+    return [(str(m), str(mode))
+            for m, mode in tx.execute(select(GPU.c.model, GPU.c.mode).where(GPU.c.pool_id == pool_id))]

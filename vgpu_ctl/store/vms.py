@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import func, select, update
 
-from vgpu_ctl.store.tables import VM
+from vgpu_ctl.store.tables import DEVICE, GPU, HOST, POOL, TENANT, VM
 from vgpu_ctl.store.unit import Tx
 
 
@@ -35,9 +35,73 @@ class VmRow(NamedTuple):
     created_at: datetime
     updated_at: datetime
     generation: int
+    tenant_name: str | None = None  # filled by the reads that join the VM's tenant (`vms_by`, `tenant_vms`)
 
 
-_COLUMNS = [VM.c[name] for name in VmRow._fields]
+_COLUMNS = [VM.c[name] for name in VmRow._fields if name != "tenant_name"]
+_NAMED = select(*_COLUMNS, TENANT.c.name.label("tenant_name")).join(TENANT, TENANT.c.id == VM.c.tenant_id)
+
+
+class DeviceRow(NamedTuple):
+    """A VM's device with its GPU's PCI address."""
+
+    id: str
+    gpu_id: int
+    pci_address: str
+    profile: str
+    kind: str
+    start: int
+    size: int
+    uuid: str
+    backing: str
+    state: str
+
+
+def vms_by(tx: Tx, *, vm_id: str | None = None, tenant: str | None = None, name: str | None = None,
+           id_prefix: str | None = None, limit: int | None = None) -> list[VmRow]:
+    """The VMs (with their tenant's name) that have this id, this name (in `tenant` when given), or an id
+    starting with `id_prefix` (at most `limit`)."""
+    q = _NAMED
+    if vm_id is not None:
+        q = q.where(VM.c.id == vm_id)
+    if name is not None:
+        q = q.where(VM.c.name == name)
+    if tenant is not None:
+        q = q.where(TENANT.c.name == tenant)
+    if id_prefix is not None:
+        q = q.where(VM.c.id.like(f"{id_prefix}%"))
+    if limit is not None:
+        q = q.limit(limit)
+    return [VmRow._make(r) for r in tx.execute(q).all()]
+
+
+def tenant_vms(tx: Tx, tenant_id: int | None) -> list[VmRow]:
+    """Every VM (only the tenant's when `tenant_id`), with its tenant's name, by tenant and VM name."""
+    q = _NAMED.order_by(TENANT.c.name, VM.c.name)
+    if tenant_id is not None:
+        q = q.where(VM.c.tenant_id == tenant_id)
+    return [VmRow._make(r) for r in tx.execute(q).all()]
+
+
+def vm_devices(tx: Tx, vm_id: str) -> list[DeviceRow]:
+    """The VM's devices, by GPU and start."""
+    return [DeviceRow._make(r) for r in tx.execute(
+        select(DEVICE.c.id, DEVICE.c.gpu_id, GPU.c.pci_address, DEVICE.c.profile, DEVICE.c.kind, DEVICE.c.start,
+               DEVICE.c.size, DEVICE.c.uuid, DEVICE.c.backing, DEVICE.c.state)
+        .join(GPU, GPU.c.id == DEVICE.c.gpu_id).where(DEVICE.c.vm_id == vm_id)
+        .order_by(DEVICE.c.gpu_id, DEVICE.c.start)).all()]
+
+
+def host_of(tx: Tx, host_id: int) -> tuple[str, str] | None:
+    """The host's (name, driver)."""
+    row = tx.execute(select(HOST.c.name, HOST.c.driver).where(HOST.c.id == host_id)).first()
+    return (str(row.name), str(row.driver)) if row is not None else None
+
+
+def pool_name(tx: Tx, pool_id: int) -> str | None:
+    """The pool's name."""
+    name = tx.execute(select(POOL.c.name).where(POOL.c.id == pool_id)).scalar()
+    return None if name is None else str(name)
 
 
 def vm_row(tx: Tx, vm_id: str) -> VmRow | None:
