@@ -191,3 +191,25 @@ def test_bad_victim_modes_in_the_inventory(make: Any, tmp_path: Path) -> None:
         stored = conn.execute(text("SELECT victim_modes FROM host WHERE name = 'h1'")).scalar()
     got = json.loads(stored) if isinstance(stored, str) else stored
     assert got == {"*": ["requeue", "hibernate", "cancel"]}
+
+
+def test_migration_0012_down_refuses_hibernated_vms_then_goes_down_and_up(make: Any) -> None:
+    from alembic import command
+
+    from vgpu_ctl.store import migrate
+    ctl = make()
+    ctl.request_vm("acme", "train", "A100D-20C", vcpus=6, memory_mib=12288, pool="gpu", priority="batch")
+    ctl.request_vm("beta", "serve", "A100D-20C", vcpus=2, memory_mib=8192, pool="gpu", priority="prod")
+    with pytest.raises(RuntimeError, match="resume or delete train first"):
+        command.downgrade(migrate.alembic_config(ctl.engine), "0011")
+    assert vm_state(ctl, "train") == "hibernated"  # nothing changed
+    ctl.release_vm("acme/train")
+    command.downgrade(migrate.alembic_config(ctl.engine), "0011")
+    with ctl.engine.connect() as conn:
+        assert "borrowed" in set(conn.execute(text("SELECT * FROM vm_sched")).keys())
+        assert conn.execute(text("SELECT preemption_mode FROM priority_class WHERE name = 'batch'")).scalar() \
+            == "requeue"
+    command.upgrade(migrate.alembic_config(ctl.engine), "head")
+    with ctl.engine.connect() as conn:
+        assert "borrowed" not in set(conn.execute(text("SELECT * FROM vm_sched")).keys())
+    check_store_invariants(ctl.engine)

@@ -92,6 +92,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     # Hibernated VMs must be gone first (the narrower CHECK would not hold); hibernate classes requeue instead.
     # Existing VMs count as not borrowed, as 0007 left them; new claims get the flag from 0007's triggers.
+    hibernated = [r[0] for r in op.get_bind().exec_driver_sql("SELECT name FROM vm WHERE state = 'hibernated'")]
+    if hibernated:
+        raise RuntimeError(f"revision 0011 has no hibernated VMs: resume or delete {', '.join(sorted(hibernated))} "
+                           "first")
     op.execute("UPDATE priority_class SET preemption_mode = 'requeue' WHERE preemption_mode = 'hibernate'")
     sqlite = op.get_bind().dialect.name == 'sqlite'
     op.add_column('vm_sched', sa.Column('borrowed', sa.Boolean(), nullable=False, server_default=sa.false()))
