@@ -71,7 +71,8 @@ from vgpu_ctl.core.placement import (
 from vgpu_ctl.errors import NoCapacity
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
 from vgpu_ctl.service import allocation as alloc
-from vgpu_ctl.service.controller import Controller, pool_policy
+from vgpu_ctl.service.claim import pool_policy
+from vgpu_ctl.service.controller import Controller
 from vgpu_ctl.service.inventory_apply import POOL, VM
 from vgpu_ctl.store.models import utcnow
 

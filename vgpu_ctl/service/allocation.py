@@ -12,6 +12,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -251,10 +252,7 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
         by_host.setdefault(r.host_id, []).append(r)
     grouped: set[int] = set()
     if anti_affinity and by_host:
-        from vgpu_ctl.store.models import Vm
-        vm = Vm.__table__  # type: ignore[attr-defined]
-        grouped = {hid for hid, in conn.execute(select(vm.c.host_id).where(
-            vm.c.anti_affinity == anti_affinity, vm.c.host_id.in_(list(by_host))))}
+        grouped = hosts_of_group(conn, anti_affinity) & set(by_host)
     out = Candidates([], {})
     for hid in sorted(by_host):
         gpus = []
@@ -450,12 +448,22 @@ def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], 
     return _views(conn, catalog, rows, anti_affinity, pool_names, lacked=lacked)
 
 
-def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> bool | None:
-    """Add `delta` to the tenant's global usage if no limit is passed: None if one would be, else whether the
-    tenant has scoped limits (read under the row lock this update takes)."""
+class TenantCharge(Enum):
+    """What charging a tenant's global usage did."""
+
+    OVER_LIMIT = "over_limit"  # a limit would pass: nothing charged
+    CHARGED = "charged"  # charged; the tenant has no pool-scoped limits
+    CHARGED_SCOPED = "charged_scoped"  # charged; the tenant has pool-scoped limits, to be charged too
+
+
+def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> TenantCharge:
+    """Add `delta` to the tenant's global usage if no limit is passed; whether it did and whether the tenant
+    has scoped limits (read under the row lock this update takes)."""
     stmt = _charge_tenant_stmt(tuple(delta), tuple(r for r, n in delta.items() if n > 0))
     row = stmt.run(conn, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).fetchone()
-    return None if row is None else bool(row[0])
+    if row is None:
+        return TenantCharge.OVER_LIMIT
+    return TenantCharge.CHARGED_SCOPED if row[0] else TenantCharge.CHARGED
 
 
 @lru_cache(maxsize=256)
@@ -546,6 +554,22 @@ def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> N
     res = _CLAIM_HOST.run(conn, {"h_id": host_id, "d_vcpus": vcpus, "d_memory_mib": memory_mib})
     if res.rowcount != 1:
         raise ClaimConflict(f"host {host_id} changed")
+
+
+_GROUP_HOSTS = Prepared(select(_VM.c.host_id).where(_VM.c.anti_affinity == bindparam("group")).distinct())
+_GROUP_ON_HOST = Prepared(select(_VM.c.id).where(_VM.c.anti_affinity == bindparam("group"),
+                                                _VM.c.host_id == bindparam("h_id", type_=Integer)).limit(1))
+
+
+def hosts_of_group(conn: Connection, group: str) -> set[int]:
+    """The hosts a VM of anti-affinity `group` is on (a prepared read: a claim's read takes no write lock)."""
+    return {hid for hid, in _GROUP_HOSTS.run(conn, {"group": group}) if hid is not None}
+
+
+def group_on_host(conn: Connection, group: str, host_id: int) -> bool:
+    """Whether a VM of anti-affinity `group` is on the host (asked after `claim_host` locked the host row, so
+    a claim committed meanwhile is seen)."""
+    return _GROUP_ON_HOST.run(conn, {"group": group, "h_id": host_id}).fetchone() is not None
 
 
 def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:

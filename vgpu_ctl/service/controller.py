@@ -2,54 +2,40 @@
 
 from __future__ import annotations
 
-import json
 import re
-import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from sqlalchemy import Integer, String, bindparam, cast, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.catalog import Catalog, ProfileInfo
-from vgpu_ctl.core.backings import backing_for
 from vgpu_ctl.core.placement import (
     DevicePlacement,
     PlacementPlan,
-    PlacementRequest,
-    Policy,
-    TaskShape,
     describe_refusal,
-    explain,
-    get_policy,
-    plan,
     rank_hosts,
 )
 from vgpu_ctl.core.vm_state import PROVISIONING, VmState
 from vgpu_ctl.errors import (
     Conflict,
     InvalidInput,
-    NoCapacity,
     NotFound,
     PermissionDenied,
-    QuotaExceeded,
     Refused,
     did_you_mean,
 )
 from vgpu_ctl.inventory import MAX_EVENTS, InventoryDecl, check_int, check_name, parse_inventory
 from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service import claim as claims
 from vgpu_ctl.service import operations as ops
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
-from vgpu_ctl.service.leases import check_generation, expiry, new_holder
+from vgpu_ctl.service.leases import check_generation, new_holder
 from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.service.principals import (
     Principal,
@@ -64,13 +50,11 @@ from vgpu_ctl.service.quotas import VM, repair_usage, set_limits, usage_report
 from vgpu_ctl.service.requests import (
     BASE_RESOURCES,
     DeviceInfo,
-    PlacedDevice,
     Placement,
     VgpuRequest,
     VmInfo,
     VmRequest,
 )
-from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
 from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.vms import VmRow
 
@@ -82,42 +66,6 @@ if TYPE_CHECKING:
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"
 _ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of a VM id, no LIKE wildcards
-MAX_RETRIES = 30
-
-# The claim path's statements, compiled once (see vgpu_ctl.store.prepared).
-# A pool's demand as its stored JSON text: the policy is cached by it (see pool_policy).
-_POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
-_POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
-_ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
-_INSERT_VM = insert_all(VM)
-_VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
-                                            VM.c.idempotency_key == bindparam("key")))
-
-
-@lru_cache(maxsize=256)
-def pool_policy(name: str, demand_json: str | None) -> Policy:
-    """The policy of a pool, with its demand as the store holds it: JSON text of profile -> weight, or of a list
-    of typical requests (profile, gpus, vcpus, memory_mib, weight)."""
-    stored = json.loads(demand_json) if demand_json else None
-    if not isinstance(stored, list):
-        return get_policy(name, stored)
-    shapes: dict[TaskShape, float] = {}
-    for t in stored:
-        shape = TaskShape((t["profile"],), t.get("gpus", 1), t.get("vcpus", 0), t.get("memory_mib", 0))
-        shapes[shape] = shapes.get(shape, 0.0) + float(t["weight"])
-    return get_policy(name, shapes)
-
-
-@dataclass(frozen=True)
-class _Ask:
-    """A request as the claim sees it once the store has been read: tenant, pools, the quota charge."""
-
-    tenant_id: int
-    pools: list[Any]
-    profiles: tuple[str, ...]
-    delta: dict[str, int]
-    preq: PlacementRequest
-    pool_names: dict[int, str]
 
 
 class Controller:
@@ -211,15 +159,6 @@ class Controller:
         if tenant_id is None or (self.principal.tenant_id is not None and tenant_id != self.principal.tenant_id):
             raise NotFound(f"tenant {name!r} not found", reasons=[{"field": "tenant", "value": name}])
         return int(tenant_id)
-
-    def _pool_row(self, conn: Connection, name: str) -> Any:
-        rows = _POOL_BY_NAME.rows(conn, {"name": name})
-        row = rows[0] if rows else None
-        if row is None:
-            known = ", ".join(r[0] for r in conn.execute(select(POOL.c.name).order_by(POOL.c.name)))
-            raise NotFound(f"pool {name!r} not found (known: {known or 'none'})",
-                           reasons=[{"field": "pool", "value": name}])
-        return row
 
     # -- catalog and inventory --------------------------------------------------------------------------------
 
@@ -418,7 +357,7 @@ class Controller:
             t = self._tenant_row(conn, tenant)
             check_generation(t, if_generation, "tenant", tenant)
             if pool is not None:
-                self._pool_row(conn, pool)
+                claims.pool_row(conn, pool)
             changes = set_limits(conn, t.id, pool or "*", limits, guarantees)
             record(conn, self.principal.actor, "quota.set", tenant, tenant=tenant,
                    params={"pool": pool, "limits": changes})
@@ -445,39 +384,6 @@ class Controller:
             return usage_report(conn, t.id)
 
     # -- VMs --------------------------------------------------------------------------------------------------
-
-    def _check_profiles(self, conn: Connection, req: VmRequest, pools: Sequence[Any],
-                        offers_too: bool = True) -> list[Any]:
-        """InvalidInput for an unknown or (with `offers_too`) unoffered profile; else the pools that offer every
-        requested one (all of `pools` if none does, so that the refusal explains each)."""
-        if not req.vgpus:
-            raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
-        names = self.catalog.profile_names()
-        wanted = list(dict.fromkeys(v.profile for v in req.vgpus))
-        for profile in wanted:
-            if profile not in names:
-                raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, names)} "
-                                   "(see vgpuctl profiles list)",
-                                   reasons=[{"field": "profile", "value": profile}])
-        if not offers_too:
-            return list(pools)
-        offers = {(p.id, w): alloc.pool_offers(conn, self.catalog, p.id, w) for p in pools for w in wanted}
-        for profile in wanted:
-            if not any(offers[(p.id, profile)] for p in pools):
-                where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
-                raise InvalidInput(f"profile {profile!r} is not offered by {where}",
-                                   reasons=[{"field": "profile", "value": profile}])
-        return [p for p in pools if all(offers[(p.id, w)] for w in wanted)] or list(pools)
-
-    def _framebuffer(self, profile: str) -> int:
-        offering = self.catalog.models_offering(profile)
-        if not offering:  # callers that charge before they check the profiles get the request's own error
-            raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, self.catalog.profile_names())} "
-                               "(see vgpuctl profiles list)", reasons=[{"field": "profile", "value": profile}])
-        model = offering[0]
-        p = self.catalog.profile(model, profile)
-        assert p is not None
-        return p.framebuffer_mib
 
     @overload
     def request_vm(self, tenant: str, name: str, vgpus: Sequence[VgpuRequest | tuple[str, int]] | str, *,
@@ -544,7 +450,7 @@ class Controller:
         if template is not None:  # before the claim: a bad name changes nothing
             self.hosts.renderer.check_template(template)
         try:
-            claimed = self._claim(req, dry_run)
+            claimed = claims.claim(self, req, dry_run)
         except Refused as exc:
             if dry_run:
                 raise
@@ -554,15 +460,15 @@ class Controller:
             if isinstance(retried, ops.OperationInfo):
                 return retried
             claimed = retried
-        if isinstance(claimed, Placement):
-            return claimed
-        if isinstance(claimed, str):
-            return self._made_by_key(req, claimed, provision and not dry_run)
+        if isinstance(claimed, claims.Planned):
+            return claimed.placement
+        if isinstance(claimed, claims.AlreadyMade):
+            return self._made_by_key(req, claimed.vm_id, provision and not dry_run)
         if not provision:
-            return claimed  # just claimed: what the claim wrote, without reading it back
+            return claimed.vm  # just claimed: what the claim wrote, without reading it back
         from vgpu_ctl.service.provision import provision_vm
-        provision_vm(self, claimed.id, req.lease_holder)
-        return self.get_vm(claimed.id)
+        provision_vm(self, claimed.vm.id, req.lease_holder)
+        return self.get_vm(claimed.vm.id)
 
     def placement_candidates(self, tenant: str, vgpus: Sequence[VgpuRequest | tuple[str, int]], *, vcpus: int,
                              memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
@@ -578,12 +484,12 @@ class Controller:
         fits: list[dict[str, Any]] = []
         others: list[dict[str, Any]] = []
         with self.engine.connect() as conn:
-            ask = self._ask(conn, req)
-            assert not isinstance(ask, str)  # no idempotency key was given
+            ask = claims.read_ask(self, conn, req)
+            assert isinstance(ask, claims.Ask)  # no idempotency key was given
             for p in ask.pools:
                 found = alloc.all_candidates(conn, self.catalog, [p.id], ask.profiles, req.anti_affinity,
                                              ask.pool_names)
-                for c in rank_hosts(ask.preq, found.hosts, pool_policy(p.policy, p.demand)):
+                for c in rank_hosts(ask.preq, found.hosts, claims.pool_policy(p.policy, p.demand)):
                     row: dict[str, Any] = {
                         "pool": p.name, "host": c.host, "rank": c.rank,
                         "score": [round(x, 6) for x in c.score] if c.score is not None else None,
@@ -646,225 +552,6 @@ class Controller:
                            "memory_mib": req.memory_mib, "pool": req.pool, "message": exc.message},
                    result="refused", error=exc.code)
 
-    def _claim(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
-        for attempt in range(MAX_RETRIES):
-            try:
-                return self._claim_once(req, dry_run)
-            except (alloc.ClaimConflict, OperationalError) as exc:
-                if isinstance(exc, OperationalError) and "lock" not in str(exc).lower() \
-                        and "deadlock" not in str(exc).lower() and "serializ" not in str(exc).lower():
-                    raise
-                time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
-            except IntegrityError as exc:
-                why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
-                # The same key with the same name may trip either unique constraint first: a VM made by the
-                # key is the answer whichever it was.
-                made = self._by_idempotency(req) if req.idempotency_key else None
-                if made is not None:
-                    return made
-                if "vm_idempotency_unique" in why or "vm.idempotency_key" in why:
-                    continue  # not visible yet to this connection: the next attempt finds it
-                if "vm_tenant_name_unique" in why or "vm.name" in why:
-                    raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
-                                   reasons=[{"field": "name", "value": req.name}]) from None
-                if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
-                    time.sleep(0.001 * (attempt + 1))
-                    continue
-                raise
-        raise Conflict("too many concurrent claims on the same GPUs; try again")
-
-    def _by_idempotency(self, req: VmRequest) -> str | None:
-        """The id of the tenant's VM made with the request's idempotency key, if there is one."""
-        with self.engine.connect() as conn:
-            t = self._tenant_id(conn, req.tenant)
-            row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
-            end_read(conn)
-        return None if row is None else str(row[0])
-
-    def _claim_once(self, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
-        if not dry_run and not req.anti_affinity:
-            claimed = self._claim_optimistic(req)
-            if claimed is not None:
-                return claimed
-        with self.write_turn(), self.engine.connect() as conn:
-            trans = conn.begin()
-            try:
-                result = self._claim_in(conn, req, dry_run)
-                if dry_run:
-                    trans.rollback()
-                else:
-                    trans.commit()
-                return result
-            except BaseException:
-                if trans.is_active:
-                    trans.rollback()
-                raise
-
-    def _ask(self, conn: Connection, req: VmRequest, offers_too: bool = True) -> _Ask | str:
-        """What the claim needs to know of the store, or the id of the VM the idempotency key already made.
-        Without `offers_too` a named pool is not asked whether it offers the profiles (see _claim_optimistic)."""
-        t = self._tenant_id(conn, req.tenant)
-        if req.idempotency_key:
-            row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
-            if row is not None:
-                return str(row[0])
-        pools = [self._pool_row(conn, req.pool)] if req.pool else _ALL_POOLS.rows(conn)
-        pools = self._check_profiles(conn, req, pools, offers_too or not req.pool)
-        profiles = req.profiles()
-        fb = sum(self._framebuffer(p) for p in profiles)
-        delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": fb, "vcpus": req.vcpus,
-                 "memory_mib": req.memory_mib}
-        preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
-        return _Ask(t, pools, profiles, delta, preq, {p.id: p.name for p in pools})
-
-    def _claim_optimistic(self, req: VmRequest) -> str | VmInfo | None:
-        """Plan from a read of the store without its write lock, then claim in a short write transaction whose
-        conditional updates (quota, host capacity, each GPU's version) fail if anything changed since: the
-        design's "claim (conditional, retried on conflict)". Planning, the costly part, then runs beside other
-        claims. None when the plan needs the serialized path: nothing fits, or a limit would pass (both are
-        explained there), or a pool-scoped limit sends the request to another pool. Anti-affinity is a
-        constraint between VMs that a read cannot hold, so such requests always take the serialized path."""
-        with self.engine.connect() as conn:
-            # A plan in the named pool proves it offers the profiles; without one, the serialized path checks.
-            ask = self._ask(conn, req, offers_too=False)
-            if isinstance(ask, str):
-                return ask
-            for pool in ask.pools:
-                chosen, page = self._plan_in_pool(conn, ask.preq, pool, ask.pool_names)
-                if chosen is not None:
-                    break
-            else:
-                return None
-            end_read(conn)
-            with self.write_turn():
-                trans = conn.begin()
-                try:
-                    charges = self._scoped_charges(pool.name, ask.delta, ask.profiles)
-                    has_scoped = alloc.charge_tenant(conn, ask.tenant_id, ask.delta)
-                    if has_scoped is None or (has_scoped and alloc.charge_scoped(conn, ask.tenant_id, charges)):
-                        trans.rollback()
-                        return None
-                    result = self._commit_claim(conn, ask.tenant_id, req, pool, chosen, page, ask.delta,
-                                                charges, False)
-                    trans.commit()
-                finally:
-                    if trans.is_active:
-                        trans.rollback()
-        assert isinstance(result, VmInfo)
-        return result
-
-    def _claim_in(self, conn: Connection, req: VmRequest, dry_run: bool) -> str | VmInfo | Placement:
-        ask = self._ask(conn, req)
-        if isinstance(ask, str):
-            return ask
-        t_id, pools, profiles, delta, preq, pool_names = (ask.tenant_id, ask.pools, ask.profiles, ask.delta,
-                                                          ask.preq, ask.pool_names)
-        # has_scoped is read under the tenant row's lock: a concurrent set_quota may have just added limits
-        has_scoped = alloc.charge_tenant(conn, t_id, delta)
-        if has_scoped is None:
-            raise alloc.quota_refusal(conn, t_id, req.tenant, delta, [], {})
-        reasons: list[dict[str, Any]] = []
-        for pool in pools:
-            charges = self._scoped_charges(pool.name, delta, profiles)  # kept on the VM for its release
-            if has_scoped:
-                failed = alloc.charge_scoped(conn, t_id, charges)
-                if failed:  # this pool's own limits are reached: give back what was charged, try the next
-                    reasons.extend(alloc.quota_refusal(conn, t_id, req.tenant, {}, failed, charges).reasons)
-                    alloc.uncharge(conn, t_id, {}, {k: n for k, n in charges.items() if k not in failed})
-                    continue
-            chosen, page = self._plan_in_pool(conn, preq, pool, pool_names)
-            if chosen is None:
-                alloc.uncharge(conn, t_id, {}, charges if has_scoped else {})
-                everything = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, req.anti_affinity,
-                                                  pool_names)
-                reasons.append({"kind": "capacity", "pool": pool.name,
-                                "gpus": sum(len(h.gpus) for h in everything.hosts),
-                                "counts": explain(preq, everything.hosts)})
-                continue
-            return self._commit_claim(conn, t_id, req, pool, chosen, page, delta, charges, dry_run)
-        raise self._refusal(req, profiles, reasons)
-
-    def _plan_in_pool(self, conn: Connection, preq: PlacementRequest, pool: Any,
-                      pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
-        by_load = pool.policy == "spread-load"
-        if by_load:  # weighs what the pool's GPUs were last measured doing
-            from vgpu_ctl.core.policies.spread_load import make_with_load
-            from vgpu_ctl.service import gpu_loads
-            with self.engine.connect() as side:  # not on `conn`: the claim's reads there stay outside SQLAlchemy
-                policy = make_with_load(gpu_loads.recent(side, pool.id))
-        else:
-            policy = pool_policy(pool.policy, pool.demand)
-        for page in alloc.candidate_pages(conn, self.catalog, preq, pool.id, policy.order, pool_names,
-                                          whole_hosts=policy.host_cost is not None):
-            # one host per distinct state: the same plan (see distinct_states), not with GPU loads in the score
-            chosen = plan(preq, page.hosts if by_load else alloc.distinct_states(page.hosts, preq), policy)
-            if chosen is not None:
-                return chosen, page
-        return None, alloc.Candidates([], {})
-
-    @staticmethod
-    def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, Any]]) -> Refused:
-        """QuotaExceeded when only limits stood in the way, else NoCapacity with every pool's reasons."""
-        if all(r["kind"] == "quota" for r in reasons):
-            text = "; ".join(f"{r['resource']} in pool {r['scope']}: {r['used']} used + {r['requested']} "
-                             f"requested > limit {r['limit']}" for r in reasons)
-            return QuotaExceeded(f"tenant {req.tenant!r} is over quota: {text}", reasons=reasons)
-        parts = []
-        for r in reasons:
-            if r["kind"] == "quota":
-                parts.append(f"pool {r['scope']}: over the tenant's {r['resource']} limit "
-                             f"({r['used']} used + {r['requested']} > {r['limit']})")
-            else:
-                parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {describe_refusal(r['counts'])}")
-        return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
-                          f"{req.memory_mib} MiB): {'; '.join(parts)}", reasons=reasons)
-
-    def _scoped_charges(self, pool: str, delta: Mapping[str, int],
-                        profiles: Sequence[str]) -> dict[tuple[str, str], int]:
-        charges: dict[tuple[str, str], int] = {(pool, r): n for r, n in delta.items()}
-        for p in profiles:
-            for scope in ("*", pool):
-                charges[(scope, f"profile:{p}")] = charges.get((scope, f"profile:{p}"), 0) + 1
-        return charges
-
-    def _commit_claim(self, conn: Connection, t_id: int, req: VmRequest, pool: Any, chosen: PlacementPlan,
-                      page: alloc.Candidates, delta: Mapping[str, int],
-                      charges: Mapping[tuple[str, str], int], dry_run: bool) -> VmInfo | Placement:
-        from vgpu_ctl.service import scheduling
-        cls = scheduling.resolve(conn, t_id, req.tenant, req.priority)
-        alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)
-        for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
-            alloc.write_gpu(conn, gid, page.versions[gid], occ)
-        backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
-                                         page.backings[chosen.host_id]).value for d in chosen.devices}
-        pcis = page.pcis
-        placement_devices = tuple(PlacedDevice(f"{chosen.host}/{pcis[d.gpu_id]}", d.profile, d.start, d.size)
-                                  for d in chosen.devices)
-        if dry_run:
-            return Placement(chosen.host, pool.name, placement_devices)
-        vm_id = req.vm_id or str(uuid.uuid4())
-        spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
-                "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
-                "disk_gib": req.disk_gib, "network": req.network, "pool": req.pool, "template": req.template}
-        _INSERT_VM.run(conn, fill_defaults(VM, {
-            "id": vm_id, "tenant_id": t_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
-            "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
-            "state": VmState.PLACED.value, "idempotency_key": req.idempotency_key,
-            "anti_affinity": req.anti_affinity,
-            "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
-            "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
-        rows = alloc.insert_devices(conn, self.catalog, vm_id, chosen, backing)
-        scheduling.attach(conn, self.catalog, vm_id, t_id, cls, chosen, req.history)
-        record(conn, self.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
-               params={"name": req.name, "host": chosen.host, "pool": pool.name,
-                       "devices": [d.to_dict() for d in placement_devices]})
-        devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
-                                   r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
-                        for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
-        return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
-                      req.memory_mib, delta["framebuffer_mib"], devices,
-                      simulated=page.simulated.get(chosen.host_id, False), generation=1)
-
     def adopt_domain(self, host: str, domain: DomainInfo) -> VmInfo:
         """Claim again, in this store, the VM a vgpu-ctl domain on `host` records (tenant, size and each device's
         GPU and position, as its metadata holds them), as it is on the host (running or stopped): for a domain
@@ -898,7 +585,7 @@ class Controller:
             if missing or len(pool_ids) != 1 or None in pool_ids:
                 raise InvalidInput(f"domain {domain.name!r}: its GPUs ({', '.join(d.gpu_pci for d in claim.devices)}) "
                                    f"are not in one pool of host {host!r} in this store", reasons=where)
-            pool = next(p for p in _ALL_POOLS.rows(conn) if p.id in pool_ids)  # with the columns a claim needs
+            pool = next(p for p in claims.all_pools(conn) if p.id in pool_ids)  # with the columns a claim needs
             names = {pool.id: pool.name}
             page = alloc.all_candidates(conn, self.catalog, [pool.id], profiles, None, names)
             view = next((h for h in page.hosts if h.name == host), None)
@@ -912,16 +599,13 @@ class Controller:
                 occ[gid] = occ[gid].add(d.profile, d.start)  # InvalidInput when taken or not offered there
                 placed.append(DevicePlacement(gid, d.profile, d.start, d.size))
             chosen = PlacementPlan(view.host_id, host, tuple(placed), {d.gpu_id: occ[d.gpu_id] for d in placed})
-            delta = {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": sum(self._framebuffer(p) for p in profiles),
-                     "vcpus": req.vcpus, "memory_mib": req.memory_mib}
-            charges = self._scoped_charges(pool.name, delta, profiles)
-            has_scoped = alloc.charge_tenant(conn, t_id, delta)
-            failed = alloc.charge_scoped(conn, t_id, charges) if has_scoped else []
-            if has_scoped is None or failed:
-                raise alloc.quota_refusal(conn, t_id, req.tenant, delta if has_scoped is None else {}, failed or [],
-                                          charges)
-            if not isinstance(self._commit_claim(conn, t_id, req, pool, chosen, page, delta, charges, False), VmInfo):
-                raise AssertionError("a claim that is not a dry run returns the VM")
+            delta = claims.charge_of(self.catalog, profiles, req.vcpus, req.memory_mib)
+            charges = claims.scoped_charges(pool.name, delta, profiles)
+            failed = claims.charge(conn, t_id, req.tenant, delta, charges)
+            if failed:
+                raise alloc.quota_refusal(conn, t_id, req.tenant, {}, failed, charges)
+            cls = claims.take(conn, t_id, req, chosen, page)
+            claims.record_vm(self, conn, t_id, req, pool, chosen, page, delta, charges, cls)
             rows = conn.execute(select(alloc.DEVICE.c.id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start)
                                 .where(alloc.DEVICE.c.vm_id == claim.vm_id)).all()
             by_position = {(r.gpu_id, r.start): r.id for r in rows}
@@ -1046,8 +730,8 @@ class Controller:
         with self.tx() as conn:
             t_id = self._tenant_id(conn, tenant)
             if pool is not None:
-                self._pool_row(conn, pool)
-            self._check_profiles(conn, req, [], offers_too=False)
+                claims.pool_row(conn, pool)
+            claims.check_profiles(conn, self.catalog, req, [], offers_too=False)
             scheduling.resolve(conn, t_id, tenant, priority)  # an unknown or disallowed class: refused now
             request = {"tenant": tenant, "name": name, "vgpus": [{"profile": v.profile, "count": v.count}
                                                                  for v in wants],

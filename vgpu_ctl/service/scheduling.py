@@ -56,6 +56,7 @@ from vgpu_ctl.core.vm_state import HOLDS_CLAIM, LIVE, VmState
 from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, Refused, VgpuCtlError
 from vgpu_ctl.inventory import check_int, check_name
 from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service import claim
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.hibernation import hibernate, resume, supported_modes
 from vgpu_ctl.service.principals import Principal
@@ -566,9 +567,7 @@ def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: Prio
 
 def _delta(ctl: Controller, req: VmRequest) -> dict[str, int]:
     """What a request charges its tenant's base resources."""
-    return {"vms": 1, "vgpus": len(req.profiles()),
-            "framebuffer_mib": sum(ctl._framebuffer(p) for p in req.profiles()), "vcpus": req.vcpus,
-            "memory_mib": req.memory_mib}
+    return claim.charge_of(ctl.catalog, req.profiles(), req.vcpus, req.memory_mib)
 
 
 def guarantees_of(conn: Connection, tenant_id: int, pool: str) -> dict[str, tuple[int, int]]:
@@ -707,8 +706,8 @@ def _victims(conn: Connection, found: Found) -> tuple[Victim, ...]:
 
 
 def _pools_for(ctl: Controller, conn: Connection, req: VmRequest) -> list[Any]:
-    ask = ctl._ask(conn, req)
-    if isinstance(ask, str):
+    ask = claim.read_ask(ctl, conn, req)
+    if isinstance(ask, claim.AlreadyMade):
         return []
     return list(ask.pools)
 
@@ -759,7 +758,7 @@ def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
         cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
     try:
         preempt(ctl, req, cls, "reclaim")
-        return ctl._claim(req, False)
+        return claim.claim(ctl, req)
     except NoCapacity as again:
         raise NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons]) from None
 
@@ -1157,7 +1156,7 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
         elif wants_preemption(cls, preempt):
             try:
                 preempt_for(ctl, req, cls)
-                return ctl._claim(req, False)
+                return claim.claim(ctl, req)
             except NoCapacity as again:  # the refusal as it was, and why preempting did not help
                 exc = NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons])
             except Refused as again:
@@ -1178,13 +1177,12 @@ def admit(ctl: Controller, req: VmRequest) -> Any:
     """Claim and provision a queued request now (no preemption); its VmInfo. Refused when it still does not
     fit."""
     from vgpu_ctl.service.provision import provision_vm
-    from vgpu_ctl.service.requests import VmInfo
-    claimed = ctl._claim(req, False)
-    if isinstance(claimed, str):
-        return ctl._made_by_key(req, claimed, True)
-    assert isinstance(claimed, VmInfo)
-    provision_vm(ctl, claimed.id)
-    return ctl.get_vm(claimed.id)
+    claimed = claim.claim(ctl, req)
+    if isinstance(claimed, claim.AlreadyMade):
+        return ctl._made_by_key(req, claimed.vm_id, True)
+    assert isinstance(claimed, claim.Claimed)
+    provision_vm(ctl, claimed.vm.id)
+    return ctl.get_vm(claimed.vm.id)
 
 
 # -- the facade (Controller.scheduling) -------------------------------------------------------------------------

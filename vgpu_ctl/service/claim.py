@@ -1,0 +1,416 @@
+"""The claim: a VM request placed and charged in the store, in one path.
+
+    read (no write lock): the tenant, its idempotency key, the pools, each pool's candidates -> plan
+    write (one short transaction per pool tried): charge the quotas -> take host and GPUs by compare-and-set
+                                                  -> insert the VM and its devices -> commit
+    one retry loop around both: any conditional update that finds the store changed since the read (a GPU's
+    version, the host's capacity, an anti-affinity group placed meanwhile) rolls back and plans again
+
+The write transaction is also where every refusal is decided and explained: a global limit that would pass
+ends the claim (QuotaExceeded); a pool whose own limits would pass, or where nothing fits, adds its reasons
+and the next pool is tried; a dry run takes everything and rolls back. Planning, the costly part, runs beside
+other claims; only the conditional updates decide.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Integer, String, bindparam, cast, select
+from sqlalchemy.engine import Connection, RootTransaction
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from vgpu_ctl.catalog import Catalog
+from vgpu_ctl.core.backings import backing_for
+from vgpu_ctl.core.placement import (
+    PlacementPlan,
+    PlacementRequest,
+    Policy,
+    TaskShape,
+    describe_refusal,
+    explain,
+    get_policy,
+    plan,
+)
+from vgpu_ctl.core.vm_state import VmState
+from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, QuotaExceeded, Refused, did_you_mean
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.inventory_apply import POOL
+from vgpu_ctl.service.leases import expiry
+from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VmInfo, VmRequest
+from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+
+if TYPE_CHECKING:
+    from vgpu_ctl.core.priority import PriorityClass
+    from vgpu_ctl.service.controller import Controller
+
+MAX_RETRIES = 30
+
+# A pool's demand as its stored JSON text: the policy is cached by it (see pool_policy).
+_POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
+_POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
+_ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
+_INSERT_VM = insert_all(VM)
+_VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
+                                            VM.c.idempotency_key == bindparam("key")))
+
+
+# -- results ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Claimed:
+    """The VM this claim wrote (state placed), as written: nothing read back."""
+
+    vm: VmInfo
+
+
+@dataclass(frozen=True)
+class AlreadyMade:
+    """The id of the tenant's VM that an earlier request with the same idempotency key made; nothing claimed."""
+
+    vm_id: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A dry run: where the VM would go now; nothing written."""
+
+    placement: Placement
+
+
+ClaimResult = Claimed | AlreadyMade | Planned
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A request as the claim sees it once the store has been read: tenant, pools, the quota charge."""
+
+    tenant_id: int
+    pools: list[Any]
+    profiles: tuple[str, ...]
+    delta: dict[str, int]
+    preq: PlacementRequest
+    pool_names: dict[int, str]
+
+
+# -- reading the request ----------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=256)
+def pool_policy(name: str, demand_json: str | None) -> Policy:
+    """The policy of a pool, with its demand as the store holds it: JSON text of profile -> weight, or of a list
+    of typical requests (profile, gpus, vcpus, memory_mib, weight)."""
+    stored = json.loads(demand_json) if demand_json else None
+    if not isinstance(stored, list):
+        return get_policy(name, stored)
+    shapes: dict[TaskShape, float] = {}
+    for t in stored:
+        shape = TaskShape((t["profile"],), t.get("gpus", 1), t.get("vcpus", 0), t.get("memory_mib", 0))
+        shapes[shape] = shapes.get(shape, 0.0) + float(t["weight"])
+    return get_policy(name, shapes)
+
+
+def pool_row(conn: Connection, name: str) -> Any:
+    """The pool named `name` with the columns a claim needs (id, name, policy, template, demand); NotFound
+    naming the known pools."""
+    rows = _POOL_BY_NAME.rows(conn, {"name": name})
+    if not rows:
+        known = ", ".join(r[0] for r in conn.execute(select(POOL.c.name).order_by(POOL.c.name)))
+        raise NotFound(f"pool {name!r} not found (known: {known or 'none'})",
+                       reasons=[{"field": "pool", "value": name}])
+    return rows[0]
+
+
+def all_pools(conn: Connection) -> list[Any]:
+    """Every pool with the columns a claim needs, by name (the order a request without a pool tries them)."""
+    return list(_ALL_POOLS.rows(conn))
+
+
+def check_profiles(conn: Connection, catalog: Catalog, req: VmRequest, pools: Sequence[Any],
+                   offers_too: bool = True) -> list[Any]:
+    """InvalidInput for an unknown or (with `offers_too`) unoffered profile; else the pools that offer every
+    requested one (all of `pools` if none does, so that the refusal explains each)."""
+    if not req.vgpus:
+        raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
+    names = catalog.profile_names()
+    wanted = list(dict.fromkeys(v.profile for v in req.vgpus))
+    for profile in wanted:
+        if profile not in names:
+            raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, names)} "
+                               "(see vgpuctl profiles list)",
+                               reasons=[{"field": "profile", "value": profile}])
+    if not offers_too:
+        return list(pools)
+    offers = {(p.id, w): alloc.pool_offers(conn, catalog, p.id, w) for p in pools for w in wanted}
+    for profile in wanted:
+        if not any(offers[(p.id, profile)] for p in pools):
+            where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
+            raise InvalidInput(f"profile {profile!r} is not offered by {where}",
+                               reasons=[{"field": "profile", "value": profile}])
+    return [p for p in pools if all(offers[(p.id, w)] for w in wanted)] or list(pools)
+
+
+def framebuffer(catalog: Catalog, profile: str) -> int:
+    """The framebuffer (MiB) a vGPU of `profile` takes; InvalidInput naming the field for an unknown one."""
+    offering = catalog.models_offering(profile)
+    if not offering:  # callers that charge before they check the profiles get the request's own error
+        raise InvalidInput(f"unknown profile {profile!r}{did_you_mean(profile, catalog.profile_names())} "
+                           "(see vgpuctl profiles list)", reasons=[{"field": "profile", "value": profile}])
+    p = catalog.profile(offering[0], profile)
+    assert p is not None
+    return p.framebuffer_mib
+
+
+def charge_of(catalog: Catalog, profiles: Sequence[str], vcpus: int, memory_mib: int) -> dict[str, int]:
+    """What a VM of these vGPUs and size charges its tenant's base resources."""
+    return {"vms": 1, "vgpus": len(profiles), "framebuffer_mib": sum(framebuffer(catalog, p) for p in profiles),
+            "vcpus": vcpus, "memory_mib": memory_mib}
+
+
+def read_ask(ctl: Controller, conn: Connection, req: VmRequest, offers_too: bool = True) -> Ask | AlreadyMade:
+    """What the claim needs to know of the store, or the VM the request's idempotency key already made.
+    Without `offers_too` a named pool is not asked whether it offers the profiles (a plan there proves it; the
+    claim asks only when none is found)."""
+    t = ctl._tenant_id(conn, req.tenant)
+    if req.idempotency_key:
+        row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
+        if row is not None:
+            return AlreadyMade(str(row[0]))
+    pools = [pool_row(conn, req.pool)] if req.pool else all_pools(conn)
+    pools = check_profiles(conn, ctl.catalog, req, pools, offers_too or not req.pool)
+    profiles = req.profiles()
+    delta = charge_of(ctl.catalog, profiles, req.vcpus, req.memory_mib)
+    preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
+    return Ask(t, pools, profiles, delta, preq, {p.id: p.name for p in pools})
+
+
+# -- the claim --------------------------------------------------------------------------------------------------
+
+def claim(ctl: Controller, req: VmRequest, dry_run: bool = False) -> ClaimResult:
+    """Place and claim the request (state placed, quotas charged, audited), or with `dry_run` say where it
+    would go; the VM an earlier request with its idempotency key made, if there is one. QuotaExceeded or
+    NoCapacity explain a refusal (nothing changed); Conflict for a name the tenant uses."""
+    for attempt in range(MAX_RETRIES):
+        try:
+            return _attempt(ctl, req, dry_run)
+        except (alloc.ClaimConflict, OperationalError) as exc:
+            if isinstance(exc, OperationalError) and not _contended(exc):
+                raise
+            time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
+        except IntegrityError as exc:
+            why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
+            # The same key with the same name may trip either unique constraint first: a VM made by the key is
+            # the answer whichever it was.
+            made = _made_by_key(ctl, req) if req.idempotency_key else None
+            if made is not None:
+                return made
+            if "vm_idempotency_unique" in why or "vm.idempotency_key" in why:
+                continue  # not visible yet to this connection: the next attempt finds it
+            if "vm_tenant_name_unique" in why or "vm.name" in why:
+                raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
+                               reasons=[{"field": "name", "value": req.name}]) from None
+            if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
+                time.sleep(0.001 * (attempt + 1))
+                continue
+            raise
+    raise Conflict("too many concurrent claims on the same GPUs; try again")
+
+
+def _contended(exc: OperationalError) -> bool:
+    """Whether a driver error is a lock, deadlock or serialization failure (retried), not a broken store."""
+    text = str(exc).lower()
+    return "lock" in text or "deadlock" in text or "serializ" in text
+
+
+def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
+    """The tenant's VM made with the request's idempotency key, if there is one."""
+    with ctl.engine.connect() as conn:
+        t = ctl._tenant_id(conn, req.tenant)
+        row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
+        end_read(conn)
+    return None if row is None else AlreadyMade(str(row[0]))
+
+
+def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
+    """One try: plan each pool from a read, then charge and take in a write transaction of its own; the
+    pools in order until one takes the VM. ClaimConflict when the store changed since the read."""
+    with ctl.engine.connect() as conn:
+        ask = read_ask(ctl, conn, req, offers_too=False)
+        if isinstance(ask, AlreadyMade):
+            return ask
+        reasons: list[dict[str, Any]] = []
+        for pool in ask.pools:
+            chosen, page = _plan_in_pool(ctl, conn, ask.preq, pool, ask.pool_names)
+            if chosen is None and req.pool:  # the named pool was not asked whether it offers the profiles
+                check_profiles(conn, ctl.catalog, req, ask.pools)
+            _end_read(conn)
+            with _write(ctl, conn) as trans:
+                charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
+                failed = charge(conn, ask.tenant_id, req.tenant, ask.delta, charges)
+                if failed:  # this pool's own limits are reached: the next pool may take it
+                    reasons.extend(alloc.quota_refusal(conn, ask.tenant_id, req.tenant, {}, failed, charges).reasons)
+                    continue
+                if chosen is None:
+                    reasons.append(_capacity_reason(ctl, conn, ask, pool))
+                    continue
+                cls = take(conn, ask.tenant_id, req, chosen, page)
+                if dry_run:
+                    return Planned(placement_of(chosen, page, pool.name))
+                vm = record_vm(ctl, conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges, cls)
+                trans.commit()
+                return Claimed(vm)
+        raise _refusal(req, ask.profiles, reasons)
+
+
+def _end_read(conn: Connection) -> None:
+    """End the read's transaction, so that the write starts a fresh one (the read may have run prepared
+    statements at the driver only, or also SQLAlchemy's, e.g. for an anti-affinity group)."""
+    if conn.in_transaction():
+        conn.rollback()
+    else:
+        end_read(conn)
+
+
+@contextmanager
+def _write(ctl: Controller, conn: Connection) -> Iterator[RootTransaction]:
+    """A write transaction on `conn` in this process's turn, rolled back unless the caller commits it."""
+    with ctl.write_turn():
+        trans = conn.begin()
+        try:
+            yield trans
+        finally:
+            if trans.is_active:
+                trans.rollback()
+
+
+def _plan_in_pool(ctl: Controller, conn: Connection, preq: PlacementRequest, pool: Any,
+                  pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
+    """The pool policy's plan over the pool's candidate pages, page by page, with the page it came from."""
+    by_load = pool.policy == "spread-load"
+    if by_load:  # weighs what the pool's GPUs were last measured doing
+        from vgpu_ctl.core.policies.spread_load import make_with_load
+        from vgpu_ctl.service import gpu_loads
+        with ctl.engine.connect() as side:  # not on `conn`: the claim's reads there stay outside SQLAlchemy
+            policy = make_with_load(gpu_loads.recent(side, pool.id))
+    else:
+        policy = pool_policy(pool.policy, pool.demand)
+    for page in alloc.candidate_pages(conn, ctl.catalog, preq, pool.id, policy.order, pool_names,
+                                      whole_hosts=policy.host_cost is not None):
+        # one host per distinct state: the same plan (see distinct_states), not with GPU loads in the score
+        chosen = plan(preq, page.hosts if by_load else alloc.distinct_states(page.hosts, preq), policy)
+        if chosen is not None:
+            return chosen, page
+    return None, alloc.Candidates([], {})
+
+
+def _capacity_reason(ctl: Controller, conn: Connection, ask: Ask, pool: Any) -> dict[str, Any]:
+    """Why nothing in the pool takes the request: its GPUs, and how many fail on what."""
+    everything = alloc.all_candidates(conn, ctl.catalog, [pool.id], ask.profiles, ask.preq.anti_affinity,
+                                      ask.pool_names)
+    return {"kind": "capacity", "pool": pool.name, "gpus": sum(len(h.gpus) for h in everything.hosts),
+            "counts": explain(ask.preq, everything.hosts)}
+
+
+def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, Any]]) -> Refused:
+    """QuotaExceeded when only limits stood in the way, else NoCapacity with every pool's reasons."""
+    if all(r["kind"] == "quota" for r in reasons):
+        text = "; ".join(f"{r['resource']} in pool {r['scope']}: {r['used']} used + {r['requested']} "
+                         f"requested > limit {r['limit']}" for r in reasons)
+        return QuotaExceeded(f"tenant {req.tenant!r} is over quota: {text}", reasons=reasons)
+    parts = []
+    for r in reasons:
+        if r["kind"] == "quota":
+            parts.append(f"pool {r['scope']}: over the tenant's {r['resource']} limit "
+                         f"({r['used']} used + {r['requested']} > {r['limit']})")
+        else:
+            parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {describe_refusal(r['counts'])}")
+    return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
+                      f"{req.memory_mib} MiB): {'; '.join(parts)}", reasons=reasons)
+
+
+# -- the write's steps (also how `reconcile --adopt` claims a lost VM again) ---------------------------------------
+
+def scoped_charges(pool: str, delta: Mapping[str, int], profiles: Sequence[str]) -> dict[tuple[str, str], int]:
+    """What a VM in `pool` charges its tenant's pool-scoped limits: (scope, resource) -> amount; per profile
+    both in the pool and across pools ("*")."""
+    charges: dict[tuple[str, str], int] = {(pool, r): n for r, n in delta.items()}
+    for p in profiles:
+        for scope in ("*", pool):
+            charges[(scope, f"profile:{p}")] = charges.get((scope, f"profile:{p}"), 0) + 1
+    return charges
+
+
+def charge(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, int],
+           charges: Mapping[tuple[str, str], int]) -> list[tuple[str, str]]:
+    """Charge the tenant's global usage and its scoped limits in the caller's transaction; the scoped
+    (scope, resource) limits that would pass (the caller rolls back). QuotaExceeded when a global one would."""
+    charged = alloc.charge_tenant(conn, tenant_id, delta)  # read under the tenant row's lock it takes
+    if charged is alloc.TenantCharge.OVER_LIMIT:
+        raise alloc.quota_refusal(conn, tenant_id, tenant, delta, [], {})
+    return alloc.charge_scoped(conn, tenant_id, charges) if charged is alloc.TenantCharge.CHARGED_SCOPED else []
+
+
+def take(conn: Connection, tenant_id: int, req: VmRequest, chosen: PlacementPlan,
+         page: alloc.Candidates) -> PriorityClass:
+    """Take the plan's host capacity and GPU positions by compare-and-set (ClaimConflict when the host, a GPU
+    or the request's anti-affinity group changed since `page` was read); the request's priority class."""
+    from vgpu_ctl.service import scheduling
+    cls = scheduling.resolve(conn, tenant_id, req.tenant, req.priority)
+    alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)  # the host row's lock orders its claims
+    if req.anti_affinity and alloc.group_on_host(conn, req.anti_affinity, chosen.host_id):
+        raise alloc.ClaimConflict(f"anti-affinity group {req.anti_affinity!r} placed on host {chosen.host}")
+    for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
+        alloc.write_gpu(conn, gid, page.versions[gid], occ)
+    return cls
+
+
+def placement_of(chosen: PlacementPlan, page: alloc.Candidates, pool: str) -> Placement:
+    """The plan as the caller sees it: host, pool and each device's GPU and position."""
+    return Placement(chosen.host, pool, tuple(PlacedDevice(f"{chosen.host}/{page.pcis[d.gpu_id]}", d.profile,
+                                                           d.start, d.size) for d in chosen.devices))
+
+
+def record_vm(ctl: Controller, conn: Connection, tenant_id: int, req: VmRequest, pool: Any, chosen: PlacementPlan,
+              page: alloc.Candidates, delta: Mapping[str, int], charges: Mapping[tuple[str, str], int],
+              cls: PriorityClass) -> VmInfo:
+    """Insert the VM (placed) and its devices for a plan `take` took, with its charges and priority class
+    `cls`, audited; the VM as written."""
+    from vgpu_ctl.service import scheduling
+    backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
+                                     page.backings[chosen.host_id]).value for d in chosen.devices}
+    placement = placement_of(chosen, page, pool.name)
+    vm_id = req.vm_id or str(uuid.uuid4())
+    spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
+            "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
+            "disk_gib": req.disk_gib, "network": req.network, "pool": req.pool, "template": req.template}
+    _INSERT_VM.run(conn, fill_defaults(VM, {
+        "id": vm_id, "tenant_id": tenant_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
+        "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
+        "state": VmState.PLACED.value, "idempotency_key": req.idempotency_key,
+        "anti_affinity": req.anti_affinity,
+        "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
+        "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
+    rows = alloc.insert_devices(conn, ctl.catalog, vm_id, chosen, backing)
+    scheduling.attach(conn, ctl.catalog, vm_id, tenant_id, cls, chosen, req.history)
+    record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
+           params={"name": req.name, "host": chosen.host, "pool": pool.name,
+                   "devices": [d.to_dict() for d in placement.devices]})
+    devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{page.pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
+                               r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
+                    for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
+    return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
+                  req.memory_mib, delta["framebuffer_mib"], devices,
+                  simulated=page.simulated.get(chosen.host_id, False), generation=1)
+
+
+__all__ = ["MAX_RETRIES", "AlreadyMade", "Ask", "ClaimResult", "Claimed", "Planned", "all_pools", "charge",
+           "charge_of", "check_profiles", "claim", "framebuffer", "placement_of", "pool_policy", "pool_row",
+           "read_ask", "record_vm", "scoped_charges", "take"]
