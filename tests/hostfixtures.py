@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid as uuidlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lxml import etree
 
@@ -215,3 +216,10 @@ def simulated_writer(state_dir: str, worker: int, count: int) -> None:
         hostdev = HostdevContext(f"dev-{worker}-{i}", "A100D-4C", DeviceBacking.MDEV, uuid, None)
         host.define_domain(renderer.render_domain(
             "domain.xml.j2", domain_context([hostdev], name=f"vm-{worker}-{i}", uuid=uuid)))
+
+
+def running_vm(ctl: Any, name: str, profile: str, pool: str) -> Any:
+    """Tenant acme's VM `name` with one vGPU of `profile` in `pool` (2 vCPUs, 4 GiB), asserted running."""
+    vm = ctl.request_vm("acme", name, [(profile, 1)], vcpus=2, memory_mib=4096, pool=pool)
+    assert vm.state == "running", vm.error
+    return vm

@@ -312,7 +312,6 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str, Any]] = [
     ("zero count", {"vgpus": [("A100D-10C", 0)]}, InvalidInput, "count", 0),
     ("negative count", {"vgpus": [("A100D-10C", -1)]}, InvalidInput, "count", -1),
     ("too many vgpus", {"vgpus": [("1g.10gb", 17)]}, InvalidInput, "count", None),
-    ("no vgpus", {"vgpus": []}, InvalidInput, "profile", None),
     ("name with space", {"name": "a b"}, InvalidInput, "name", "a b"),
     ("name with markup", {"name": "<x>"}, InvalidInput, "name", "<x>"),
     ("upper-case name", {"name": "Web"}, InvalidInput, "name", "Web"),

@@ -25,7 +25,7 @@ if _TESTS not in sys.path:
 
 from fake_pynvml import A100_80GB, H100_80GB, H200, L40S, FakeGpu, FakeNvml  # noqa: E402
 from fake_sysfs import FakeVfioSysfs  # noqa: E402
-from hostfixtures import RecordingNodeDevices, pci_device, write_node_file  # noqa: E402
+from hostfixtures import RecordingNodeDevices, pci_device, running_vm, write_node_file  # noqa: E402
 
 from vgpu_ctl import Controller  # noqa: E402
 from vgpu_ctl.catalog import ProfileKind  # noqa: E402
@@ -133,9 +133,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 def _vm(fleet: Fleet, name: str, profile: str, pool: str) -> Any:
-    vm = fleet.ctl.request_vm("acme", name, [(profile, 1)], vcpus=2, memory_mib=4096, pool=pool)
-    assert vm.state == "running", vm.error
-    return vm
+    return running_vm(fleet.ctl, name, profile, pool)
 
 
 def _hostdevs(fleet: Fleet, vm: Any) -> list[str]:

@@ -1,10 +1,10 @@
-"""Against a real libvirtd and KVM (qemu:///system): tiny guests (64 MiB, a 1 MiB qcow2 base) created,
-run, stopped and deleted through the Controller, leaving nothing behind; an mdev hostdev refused by the real
-QEMU driver; reconcile against real domains. Skipped only where /dev/kvm is absent.
+"""Against a real libvirtd and KVM (qemu:///system): tiny guests without vGPUs (64 MiB, a 1 MiB qcow2 base)
+created, run, stopped, started and deleted through the Controller, leaving nothing behind (no domain, no
+overlay, quota back to zero); an mdev hostdev refused by the real QEMU driver; reconcile against real domains.
+Skipped only where /dev/kvm is absent. The GPU side (node devices) is emulated.
 
-The controller refuses a VM without vGPUs, so the running guests hold a vGPU on the emulated GPU whose
-hostdev their pool's template leaves out (`nogpu.xml.j2`: the project's template without its hostdev loop);
-everything else (device step, overlay disk, domain, metadata, power, release) is the real path."""
+Where a running guest must hold GPU space (preemption), its pool `nogpu` renders the project's template without
+its hostdev loop (`nogpu.xml.j2`), as the real QEMU driver refuses an mdev hostdev without VFIO."""
 
 from __future__ import annotations
 
@@ -93,12 +93,16 @@ class Real:
         self.changes = self.ctl.apply_inventory(inv)
         self.ctl.create_tenant("acme")
         from vgpu_ctl.service.allocation import GPU
+        from vgpu_ctl.service.fit_masks import ensure_fit_masks
         from vgpu_ctl.service.host_types import _replace
 
-        # the GPU side is emulated: the type ids an earlier discovery would have recorded; mdev calls recorded
+        # the GPU side is emulated: the type ids an earlier discovery would have recorded, and nothing lacked
+        # (this machine's real discovery finds no NVIDIA GPU there); mdev calls recorded
         with self.ctl.tx() as conn:
             for gpu_id in conn.execute(GPU.select().with_only_columns(GPU.c.id)).scalars():
                 _replace(conn, gpu_id, {"mdev": {"A100D-10C": "nvidia-558"}})
+            conn.execute(GPU.update().values(lacked_types=None))
+        ensure_fit_masks(self.ctl.engine, self.ctl.catalog, force=True)
 
     def domains(self) -> set[str]:
         return {d.name() for d in self.conn.listAllDomains(0)}
@@ -131,16 +135,21 @@ def real(libvirtd: Any) -> Iterator[Real]:
     r.close()
 
 
+def _usage(real: Real) -> dict[str, int]:
+    return {u["resource"]: u["used"] for u in real.ctl.tenant_usage("acme")}
+
+
 def _state(conn: Any, name: str) -> str:
     import libvirt
     dom = conn.lookupByName(name)
     return "running" if dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING else f"state {dom.state()[0]}"
 
 
-def test_a_vm_runs_stops_and_leaves_nothing_behind(real: Real) -> None:
+def test_a_vm_without_vgpus_runs_stops_starts_and_leaves_nothing_behind(real: Real) -> None:
     before = real.domains()
-    vm = real.ctl.request_vm("acme", "plain", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="nogpu")
+    vm = real.ctl.request_vm("acme", "plain", [], vcpus=1, memory_mib=64, pool="kvm")
     assert vm.state == "running", vm.error
+    assert vm.devices == () and _usage(real)["vms"] == 1 and _usage(real)["vgpus"] == 0
     (name,) = real.domains() - before
     assert name == f"plain-{vm.id[:8]}" and _state(real.conn, name) == "running"
     overlay = real.images / f"{vm.id}.qcow2"
@@ -154,10 +163,12 @@ def test_a_vm_runs_stops_and_leaves_nothing_behind(real: Real) -> None:
     assert real.ctl.get_vm(vm.id).state == "stopped" and not dom.isActive()
     real.ctl.start_vm(vm.id)
     assert dom.isActive()
+    assert _state(real.conn, name) == "running"
     real.ctl.release_vm(vm.id)
     assert real.domains() == before
     assert not overlay.exists() and (real.images / "base.qcow2").exists()
-    assert real.ctl.list_vms() == [] and real.nodedev.mdevs == {}
+    assert real.ctl.list_vms() == [] and set(_usage(real).values()) == {0}
+    assert real.nodedev.calls == [] and real.nodedev.mdevs == {}  # no device was ever made
 
 
 def test_an_mdev_hostdev_is_defined_and_the_real_qemu_driver_refuses_it_clearly(real: Real) -> None:
@@ -173,7 +184,7 @@ def test_an_mdev_hostdev_is_defined_and_the_real_qemu_driver_refuses_it_clearly(
 
 
 def test_reconcile_against_real_domains(real: Real) -> None:
-    vm = real.ctl.request_vm("acme", "rec", [("A100D-10C", 1)], vcpus=1, memory_mib=64, pool="nogpu")
+    vm = real.ctl.request_vm("acme", "rec", [], vcpus=1, memory_mib=64, pool="kvm")
     name = f"rec-{vm.id[:8]}"
     foreign = f"vgpuctl-test-{uuidlib.uuid4().hex[:8]}"
     real.conn.defineXML(f"<domain type='kvm'><name>{foreign}</name><memory unit='MiB'>64</memory>"

@@ -130,6 +130,18 @@ def test_metadata_is_read_back(renderer: TemplateRenderer, conn: Any) -> None:
         ("a", "A100D-10C"), ("b", "L40S-12C"), ("c", "A100-80GB")]
 
 
+def test_a_domain_without_vgpus_has_no_hostdevs_and_its_metadata_reads_back(renderer: TemplateRenderer,
+                                                                             conn: Any) -> None:
+    xml = renderer.render_domain(TEMPLATE, domain_context([]))
+    validate_domain(xml)
+    dom = _define(conn, xml)
+    back = dom.XMLDesc(0)
+    assert etree.fromstring(back.encode()).findall("devices/hostdev") == []
+    assert read_metadata(back) == {"tenant": "acme", "vm_id": "42", "devices": ""}
+    claim = render.read_claim(back)
+    assert claim is not None and (claim.vm_id, claim.vcpus, claim.memory_mib, claim.devices) == ("42", 4, 8192, ())
+
+
 def test_foreign_domain_has_no_metadata(conn: Any) -> None:
     foreign = conn.defineXML("<domain type='test'><name>foreign</name><memory>1024</memory>"
                              "<os><type>hvm</type></os></domain>")

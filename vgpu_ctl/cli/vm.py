@@ -13,6 +13,7 @@ from vgpu_ctl.cli.common import (
     Output,
     console,
     emit,
+    fail,
     machine,
     out_format,
     parse_mib,
@@ -23,7 +24,7 @@ from vgpu_ctl.cli.common import (
 from vgpu_ctl.cli.scheduling import parse_duration
 from vgpu_ctl.errors import InvalidInput
 
-vm_app = typer.Typer(help="Virtual machines with vGPUs.", no_args_is_help=True)
+vm_app = typer.Typer(help="Virtual machines, with vGPUs or without.", no_args_is_help=True)
 VM_ARG = typer.Argument(..., help="VM id (or a unique prefix of it, as `vm list` shows), name, or TENANT/NAME.")
 
 
@@ -55,8 +56,9 @@ def _show(fmt: Output, vm: Any) -> None:
 @vm_app.command("create")
 def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
               name: str = typer.Option(..., help="VM name (unique per tenant)."),
-              profile: list[str] = typer.Option(..., help="vGPU profile (repeatable for several profiles)."),
-              count: int = typer.Option(1, help="vGPUs of each profile."),
+              profile: list[str] = typer.Option([], help="vGPU profile (repeatable for several profiles; none: "
+                                                         "a VM without vGPUs)."),
+              count: int | None = typer.Option(None, help="vGPUs of each profile (default 1)."),
               vcpus: int = typer.Option(..., help="vCPUs."),
               memory: str = typer.Option(..., help="Memory, e.g. 32GiB."),
               pool: str = typer.Option(None, help="Pool to place in (default: any)."),
@@ -72,15 +74,19 @@ def vm_create(tenant: str = typer.Option(..., help="Tenant that owns the VM."),
               queue: bool = typer.Option(False, "--queue", help="Wait in the queue if it does not fit."),
               queue_deadline: str = typer.Option(None, help="With --queue, wait at most this long (e.g. 2h)."),
               as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
-    """Request a VM with vGPUs: place, claim, create devices, define and start it."""
+    """Request a VM, with vGPUs or none: place, claim, create devices, define and start it."""
     fmt = out_format(as_json, output)
+    if count is not None and not profile:
+        fail(InvalidInput(f"--count {count} needs a --profile to count (a VM without vGPUs takes none)",
+                          reasons=[{"field": "count", "value": count}]), fmt)
+    each = 1 if count is None else count
 
     def go(c: Any) -> Any:
         if dry_run and preempt:  # the victims (through a server: POST /v1/scheduling/preview)
-            return c.scheduling.preview(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
+            return c.scheduling.preview(tenant, name, [(p, each) for p in profile], vcpus=vcpus,
                                         memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                                         anti_affinity=anti_affinity, priority=priority)
-        return c.request_vm(tenant, name, [(p, count) for p in profile], vcpus=vcpus,
+        return c.request_vm(tenant, name, [(p, each) for p in profile], vcpus=vcpus,
                             memory_mib=parse_mib("memory", memory), pool=pool, labels=_labels(label),
                             anti_affinity=anti_affinity, idempotency_key=idempotency_key, template=template,
                             dry_run=dry_run, priority=priority, preempt=preempt, queue=queue,

@@ -47,7 +47,8 @@ class VmCreate(BaseModel):
          "memory_mib": 4096}]})
     tenant: str | None = name_field("The tenant (default: the caller's)", "acme", default=None)
     name: str = name_field("The VM's name, unique per tenant", "job1")
-    vgpus: list[VgpuSpec] = Field(min_length=1, json_schema_extra={"maxItems": 16})
+    vgpus: list[VgpuSpec] = Field(default_factory=list, description="Its vGPUs (none: a VM without vGPUs)",
+                                  json_schema_extra={"maxItems": 16})
     vcpus: StrictInt = whole("vCPUs", 1, MAX_VM_VCPUS, 2)
     memory_mib: StrictInt = whole("Memory in MiB", 1, MAX_MEMORY_MIB, 4096)
     pool: str | None = name_field("Place only in this pool", "inference", default=None)

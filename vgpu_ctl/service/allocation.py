@@ -16,7 +16,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, func, literal, null, or_, select, update
+from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, exists, func, literal, null, or_, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
@@ -250,9 +250,7 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
     by_host: dict[int, list[CandidateRow]] = {}
     for r in rows:
         by_host.setdefault(r.host_id, []).append(r)
-    grouped: set[int] = set()
-    if anti_affinity and by_host:
-        grouped = hosts_of_group(conn, anti_affinity) & set(by_host)
+    grouped = _grouped(conn, anti_affinity, list(by_host))
     out = Candidates([], {})
     for hid in sorted(by_host):
         gpus = []
@@ -272,6 +270,13 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
             _labels(h.labels), frozenset({anti_affinity}) if hid in grouped and anti_affinity else frozenset(),
             order=hid, gpu_count=len(gpus) if whole else None))
     return out
+
+
+def _grouped(conn: Connection, anti_affinity: str | None, host_ids: Sequence[int]) -> set[int]:
+    """Which of the hosts already run a VM of the anti-affinity group."""
+    if not anti_affinity or not host_ids:
+        return set()
+    return hosts_of_group(conn, anti_affinity) & set(host_ids)
 
 
 _IN_POOL = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
@@ -367,6 +372,9 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
     GPUs or hosts. A request for several vGPUs of one profile, or any request with `whole_hosts` (a policy
     that scores whole hosts), gets whole hosts from their summaries (`host_fit`)."""
     ndev = len(req.profiles)
+    if not ndev:
+        yield from _bare_host_pages(conn, req, pool_id, order)
+        return
     targets = placeables(catalog, frozenset(req.profiles))
     if not targets:
         return
@@ -433,6 +441,45 @@ def distinct_states(hosts: Sequence[HostView], req: PlacementRequest) -> list[Ho
             seen.add(key)
             out.append(h)
     return out
+
+
+@lru_cache(maxsize=8)
+def _bare_hosts_query(order: CandidateOrder, labels: bool) -> Prepared:
+    """A request without vGPUs: a page of the hosts of the pool (those holding one of its GPUs) with room for
+    its vCPUs and memory, in the policy's order of their free vCPUs and memory (`core.placement.host_score`'s).
+    Bound at execution: pool_id, req_vcpus, req_memory_mib, page_limit, page_offset."""
+    free_vcpus = HOST.c.vcpus * HOST.c.cpu_overcommit - HOST.c.used_vcpus
+    free_memory = HOST.c.memory_mib * HOST.c.memory_overcommit - HOST.c.used_memory_mib
+    keys = {CandidateOrder.FULLEST_FIRST: [free_vcpus, free_memory, HOST.c.id],
+            CandidateOrder.EMPTIEST_FIRST: [free_vcpus.desc(), free_memory.desc(), HOST.c.id]}
+    cols = [*_HOST_COLS[:-1], HOST.c.labels if labels else null().label("labels")]
+    return Prepared(select(*cols).where(_HOST_FILTER, exists(select(GPU.c.id).where(
+        GPU.c.host_id == HOST.c.id, _IN_POOL))).order_by(*keys.get(order, [HOST.c.id]))
+        .limit(bindparam("page_limit", type_=Integer)).offset(bindparam("page_offset", type_=Integer)))
+
+
+def _bare_host_pages(conn: Connection, req: PlacementRequest, pool_id: int,
+                     order: CandidateOrder) -> Iterator[Candidates]:
+    """Pages of candidate hosts, without GPUs, for a request without vGPUs (see `_bare_hosts_query`)."""
+    offset = 0
+    while True:
+        rows = _bare_hosts_query(order, bool(req.labels)).run(conn, {
+            "pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib,
+            "page_limit": HOST_PAGE, "page_offset": offset}).fetchall()
+        if not rows:
+            return
+        grouped = _grouped(conn, req.anti_affinity, [r[0] for r in rows])
+        out = Candidates([], {})
+        for hid, name, backing, driver, vcpus, memory, cpu_over, memory_over, used_vcpus, used_memory, state, \
+                labels in rows:
+            out.backings[hid] = backing
+            out.simulated[hid] = driver == "simulated"
+            out.hosts.append(HostView(
+                hid, name, vcpus * cpu_over - used_vcpus, memory * memory_over - used_memory, (), state,
+                _labels(labels), frozenset({req.anti_affinity}) if req.anti_affinity and hid in grouped
+                else frozenset(), order=hid))
+        yield out
+        offset += HOST_PAGE
 
 
 def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
@@ -625,7 +672,7 @@ def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: Placeme
                      "handle": {}, "state": "claimed"})
     if len(rows) == 1:
         _INSERT_DEVICE.run(conn, rows[0])
-    else:
+    elif rows:  # a VM without vGPUs has none
         _INSERT_DEVICE.run_many(conn, rows)
     return rows
 

@@ -30,6 +30,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.backings import backing_for
 from vgpu_ctl.core.placement import (
+    LACKS_TYPE,
     PlacementPlan,
     PlacementRequest,
     Policy,
@@ -134,12 +135,13 @@ def all_pools(conn: Connection) -> list[Any]:
     return list(_ALL_POOLS.rows(conn))
 
 
-def check_profiles(conn: Connection, catalog: Catalog, req: VmRequest, pools: Sequence[Any],
+def check_profiles(conn: Connection | None, catalog: Catalog, req: VmRequest, pools: Sequence[Any],
                    offers_too: bool = True) -> list[Any]:
     """InvalidInput for an unknown or (with `offers_too`) unoffered profile; else the pools that offer every
-    requested one (all of `pools` if none does, so that the refusal explains each)."""
+    requested one (all of `pools` if none does, so that the refusal explains each; `conn` only for that). A VM
+    without vGPUs: every pool (its hosts are those holding one of its GPUs)."""
     if not req.vgpus:
-        raise InvalidInput("a VM needs at least one vGPU (field profile)", reasons=[{"field": "profile"}])
+        return list(pools)
     names = catalog.profile_names()
     wanted = list(dict.fromkeys(v.profile for v in req.vgpus))
     for profile in wanted:
@@ -149,6 +151,7 @@ def check_profiles(conn: Connection, catalog: Catalog, req: VmRequest, pools: Se
                                reasons=[{"field": "profile", "value": profile}])
     if not offers_too:
         return list(pools)
+    assert conn is not None, "asking whether pools offer the profiles reads the store"
     offers = {(p.id, w): alloc.pool_offers(conn, catalog, p.id, w) for p in pools for w in wanted}
     for profile in wanted:
         if not any(offers[(p.id, profile)] for p in pools):
@@ -312,11 +315,19 @@ def _plan_in_pool(ctl: Controller, conn: Connection, preq: PlacementRequest, poo
 
 
 def _capacity_reason(ctl: Controller, conn: Connection, ask: Ask, pool: Any) -> dict[str, Any]:
-    """Why nothing in the pool takes the request: its GPUs, and how many fail on what."""
+    """Why nothing in the pool takes the request: its GPUs, and how many fail on what (with the GPUs whose host
+    lacks a profile's type id, and what to do); for a VM without vGPUs, its hosts and why each does not."""
     everything = alloc.all_candidates(conn, ctl.catalog, [pool.id], ask.profiles, ask.preq.anti_affinity,
                                       ask.pool_names)
-    return {"kind": "capacity", "pool": pool.name, "gpus": sum(len(h.gpus) for h in everything.hosts),
-            "counts": explain(ask.preq, everything.hosts)}
+    counts = explain(ask.preq, everything.hosts)
+    if not ask.profiles:
+        return {"kind": "capacity", "pool": pool.name, "hosts": len(everything.hosts), "counts": counts}
+    reason = {"kind": "capacity", "pool": pool.name, "gpus": sum(len(h.gpus) for h in everything.hosts),
+              "counts": counts}
+    if counts.get(LACKS_TYPE):
+        from vgpu_ctl.service.host_types import lacking
+        reason["lacking"] = lacking(conn, pool.id, ask.profiles)
+    return reason
 
 
 def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, Any]]) -> Refused:
@@ -330,9 +341,14 @@ def _refusal(req: VmRequest, profiles: Sequence[str], reasons: list[dict[str, An
         if r["kind"] == "quota":
             parts.append(f"pool {r['scope']}: over the tenant's {r['resource']} limit "
                          f"({r['used']} used + {r['requested']} > {r['limit']})")
+        elif "hosts" in r:  # a VM without vGPUs
+            n = r["hosts"]
+            parts.append(f"pool {r['pool']}: {n} host{'' if n == 1 else 's'}, {describe_refusal(r['counts'], 'host')}")
         else:
-            parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {describe_refusal(r['counts'])}")
-    return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles)}, {req.vcpus} vCPUs, "
+            from vgpu_ctl.service.host_types import describe_lacking
+            parts.append(f"pool {r['pool']}: {r['gpus']} GPUs, {describe_refusal(r['counts'])}"
+                         + describe_lacking(r.get("lacking", []), r["counts"].get(LACKS_TYPE, 0)))
+    return NoCapacity(f"no host can take VM {req.name!r} ({', '.join(profiles) or 'no vGPUs'}, {req.vcpus} vCPUs, "
                       f"{req.memory_mib} MiB): {'; '.join(parts)}", reasons=reasons)
 
 

@@ -9,7 +9,7 @@ for them; a refusal they cause says which profile, host and GPU, and the finding
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table, select
@@ -189,6 +189,29 @@ def _replace(conn: Connection, gpu_id: int, ids: Mapping[str, Mapping[str, str]]
             for k, v in ids.items() for p, t in sorted(v.items())]
     if rows:
         conn.execute(TYPE_ID.insert(), rows)
+
+
+def lacking(conn: Connection, pool_id: int, profiles: Iterable[str], limit: int = 10) -> list[dict[str, str]]:
+    """The pool's GPUs whose host has no type id for one of the profiles, in GPU order, at most `limit`: host,
+    GPU, profile and what to do (as the discovery that found it said), for a refusal they caused."""
+    wanted = set(profiles)
+    out: list[dict[str, str]] = []
+    for r in conn.execute(select(HOST.c.name, GPU.c.pci_address, GPU.c.lacked_types)
+                          .join(HOST, HOST.c.id == GPU.c.host_id)
+                          .where(GPU.c.pool_id == pool_id, GPU.c.lacks != 0).order_by(GPU.c.id)):
+        for p in sorted(wanted & set(r.lacked_types or {})):
+            out.append({"host": r.name, "gpu": r.pci_address, "profile": p, "do": r.lacked_types[p]})
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def describe_lacking(items: Sequence[Mapping[str, str]], total: int, shown: int = 3) -> str:
+    """What `lacking` found, in an admin's words for a refusal ('; host kvm1 has no mdev type id for ...: what
+    to do'), the first `shown` of `total` GPUs and how many more."""
+    text = "".join(f"; {x['do']}" for x in items[:shown])
+    more = total - min(len(items), shown)
+    return text + (f"; and {more} more GPU{'' if more == 1 else 's'} alike" if more > 0 else "")
 
 
 def record_unreachable(name: str, error: str) -> Change:

@@ -536,7 +536,10 @@ def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: Prio
     order), with the pool and the candidates; None when no allowed set makes room. With `reclaim`, only pools
     where the request stays within its tenant's guarantee, only other tenants' VMs borrowed now, only a set that
     leaves every lender at or above its guarantee (`lender_floor`), and only one that makes the borrowed shares
-    strictly fairer (`reclaim_check`)."""
+    strictly fairer (`reclaim_check`). None for a VM without vGPUs: preemption frees GPU space by geometry, not
+    vCPUs or memory, so such a VM waits in the queue or is refused."""
+    if not req.vgpus:
+        return None
     preq = PlacementRequest(req.profiles(), req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
     names = {p.id: p.name for p in pools}
     now = time.time()
@@ -741,8 +744,9 @@ def _no_reclaim(req: VmRequest) -> NoCapacity:
 
 def may_reclaim(ctl: Controller, req: VmRequest, preempt: bool | None) -> bool:
     """Whether a request refused for capacity reclaims borrowed capacity before anything else: unless asked not
-    to preempt (`preempt` False), when it stays within its tenant's guarantee in one of its pools."""
-    if preempt is False:
+    to preempt (`preempt` False), when it stays within its tenant's guarantee in one of its pools. Never for a VM
+    without vGPUs (reclaiming frees GPU space)."""
+    if preempt is False or not req.vgpus:
         return False
     with ctl.engine.connect() as conn:
         t_id = ctl._tenant_id(conn, req.tenant)
@@ -766,6 +770,11 @@ def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
 def _no_victims(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
                 pools: Sequence[Any]) -> NoCapacity:
     """Why preempting does not help, naming the preemptible VMs of the request's hosts that no mode frees."""
+    if not req.vgpus:
+        return NoCapacity(f"VM {req.name!r} has no vGPUs: preemption frees GPU space, not vCPUs or memory, so it "
+                          "does not preempt; queue it (--queue) to wait for room",
+                          reasons=[{"kind": "preemption", "priority": cls.value, "priority_class": cls.name or None,
+                                    "vgpus": 0}])
     hosts = [h.host_id for p in pools for h in alloc.all_candidates(conn, ctl.catalog, [p.id], req.profiles(),
                                                                       req.anti_affinity, {p.id: p.name}).hosts]
     unfreeable = _holders(conn, sorted(set(hosts)), time.time()).unfreeable
