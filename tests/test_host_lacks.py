@@ -156,6 +156,22 @@ def test_a_host_that_gains_the_type_is_a_candidate_again(host: Host) -> None:
     assert vm.devices[0].gpu == "kvm1/0000:43:00.0"
 
 
+def test_host_discover_write_records_what_the_host_lacks(host: Host, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from vgpu_ctl.cli.main import app
+    with host.ctl.tx() as conn:  # as before any discovery: nothing lacked, every profile in the mask
+        conn.execute(GPU.update().values(lacks=0, lacked_types=None))
+    ensure_fit_masks(host.ctl.engine, host.ctl.catalog, force=True)
+    assert host.takes("0000:43:00.0", "A100D-20C")
+    monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "cli-state"))
+    out = CliRunner().invoke(app, ["--db", str(host.ctl.engine.url), "host", "discover", host.uri, "--name",
+                                   "kvm1", "--write", str(tmp_path / "kvm1.yaml")])
+    assert out.exit_code == 0, out.output
+    assert "A100D-20C" in host.gpu("0000:43:00.0").lacked_types and not host.takes("0000:43:00.0", "A100D-20C")
+
+
 def test_a_pool_change_keeps_the_mask_while_the_host_is_unreachable(host: Host) -> None:
     moved = host.inventory.read_text().replace(host.uri, f"test://{host.tmp}/missing.xml").replace(
         '"0000:43:00.0", model: A100-80GB, mode: vgpu-equal, pool: one', '"0000:43:00.0", model: A100-80GB, '
