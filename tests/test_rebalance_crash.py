@@ -1,6 +1,6 @@
 """A rebalance move killed with kill -9 at each of its steps (VGPU_CTL_FAULT_MOVE makes the `vgpuctl rebalance
 --apply` process kill itself there): reconcile reports the interrupted move (not clean, exit 1) and `reconcile
---fix` (or the server's leader loop) finishes it from step done and rolls it back before, so the VM runs on
+--fix` (or the server's leader, on its tick) finishes it from step done and rolls it back before, so the VM runs on
 exactly one placement, nothing is left on either host, quota and usage are as before, and it is audited. On
 SQLite and PostgreSQL, across hosts and on one host."""
 
@@ -121,29 +121,36 @@ def test_a_move_killed_at_each_step_is_settled_by_reconcile(store_url: str, stat
         assert c.reconcile().findings == []
 
 
-def test_the_leader_loop_settles_an_interrupted_move(sqlite_url: str, state_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("point", ["started", "done"])
+def test_the_leader_settles_an_interrupted_move_on_its_tick(sqlite_url: str, state_dir: Path, tmp_path: Path,
+                                                            point: str) -> None:
     from vgpu_ctl.server.config import ServerConfig
+    from vgpu_ctl.server.metrics import server_metrics
     from vgpu_ctl.server.runtime import Runtime
     with Controller(sqlite_url) as c:
         goal = _across(c, tmp_path)
         (move,) = c.rebalance_plan(goal=goal).moves
         before_usage = usage(c)
-    assert _crash(sqlite_url, goal, "started").returncode == -9
-    cfg = ServerConfig(store=sqlite_url, state_dir=str(state_dir), reconcile_interval_s=0.2,
+    assert _crash(sqlite_url, goal, point).returncode == -9
+    # reconcile's loop off: the leader's own tick settles it, as it takes over operations left behind
+    cfg = ServerConfig(store=sqlite_url, state_dir=str(state_dir), reconcile_interval_s=0,
                        recovery_interval_s=0.1, utilization_interval_s=0, drain_timeout_s=5).check()
     rt = Runtime(cfg)
     try:
         deadline = time.monotonic() + 30
-        while rt.stats.reconcile_fixed == 0 and time.monotonic() < deadline:
+        while rt.stats.moves_settled == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert rt.stats.reconcile_fixed >= 1
+        assert rt.stats.moves_settled == 1 and rt.stats.reconcile_runs == 0
+        assert "vgpu_rebalance_moves_settled_total 1" in server_metrics(rt)
     finally:
         rt.close()
     with Controller(sqlite_url) as c:
-        assert _placement(c, move.name)[0] == move.from_host and c.get_vm(move.vm).state == "running"
+        where = move.to_host if point == "done" else move.from_host
+        assert _placement(c, move.name)[0] == where and c.get_vm(move.vm).state == "running"
         assert usage(c) == before_usage
         with c.engine.connect() as conn:
             assert conn.execute(select(MOVE)).all() == []
+        assert c.reconcile().findings == []
 
 
 def test_a_move_a_live_process_holds_is_in_progress_and_left_alone(sqlite_url: str, state_dir: Path,

@@ -37,6 +37,10 @@ def server_metrics(rt: Runtime) -> str:
               f"vgpu_utilization_errors_total {s.utilization_errors}",
               "# HELP vgpu_gpu_loads_measured GPUs whose load the last sampling round measured.",
               "# TYPE vgpu_gpu_loads_measured gauge", f"vgpu_gpu_loads_measured {s.gpu_loads_recorded}",
+              "# HELP vgpu_rebalance_moves_settled_total Rebalance moves whose process died that this replica "
+              "finished or rolled back.",
+              "# TYPE vgpu_rebalance_moves_settled_total counter",
+              f"vgpu_rebalance_moves_settled_total {s.moves_settled}",
               "# HELP vgpu_reconcile_errors_total Reconcile runs that failed.",
               "# TYPE vgpu_reconcile_errors_total counter", f"vgpu_reconcile_errors_total {s.reconcile_errors}",
               "# HELP vgpu_reconcile_last_run_timestamp_seconds When the loop last ran (0: not yet).",

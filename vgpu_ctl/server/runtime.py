@@ -1,7 +1,8 @@
 """What a running server holds: the store context, the workers that run operations, the renewal of their
-leases, and (while this replica leads) the loops: operations left behind by a dead replica, reconcile on an
-interval, expired idempotency keys, and the scheduling queue (admission tried again and deadlines expired on
-every tick, since a release on another replica admits only in that replica's process)."""
+leases, and (while this replica leads) the loops: operations left behind by a dead replica, rebalance moves
+whose process died, reconcile on an interval, expired idempotency keys, and the scheduling queue (admission
+tried again and deadlines expired on every tick, since a release on another replica admits only in that
+replica's process)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class LoopStats:
     utilization_samples: int = 0  # NVML sampling rounds of the leader (for spread-load)
     utilization_errors: int = 0
     gpu_loads_recorded: int = 0  # GPUs the last round measured
+    moves_settled: int = 0  # rebalance moves whose process died, finished or rolled back by the leader
 
 
 def open_store(cfg: ServerConfig) -> ServiceContext:
@@ -154,6 +156,7 @@ class Runtime:
                 if self.leading and self._accepting:
                     self._heartbeat()
                     self._recover()
+                    self._settle_moves()
                     self._admit_queue()
                     if self.cfg.reconcile_interval_s > 0 and time.monotonic() >= next_reconcile:
                         self.reconcile_once()
@@ -196,6 +199,16 @@ class Runtime:
             log.info("taking over operation %s", op_id)
             self.stats.operations_recovered += 1
             self.dispatch(op_id)
+
+    def _settle_moves(self) -> None:
+        """Finish or roll back the rebalance moves whose process died (service.rebalance.settle_moves), on every
+        tick as operations left behind are taken over, not only when reconcile runs."""
+        from vgpu_ctl.service.rebalance import settle_moves
+        done = settle_moves(self.server)
+        settled = [vm for vm, how in done.items() if how in ("finished", "rolled back")]
+        self.stats.moves_settled += len(settled)
+        if done:
+            log.info("interrupted rebalance moves: %s", done)
 
     def _admit_queue(self) -> None:
         """Try the scheduling queue again on a worker thread (at most one such try at a time, none while

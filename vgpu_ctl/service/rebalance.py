@@ -22,7 +22,7 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
 from vgpu_ctl.service.inventory_apply import POOL
-from vgpu_ctl.service.leases import Renewal, new_holder, take
+from vgpu_ctl.service.leases import Renewal, is_held, new_holder, take
 from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.store.models import VmMove, utcnow
 from vgpu_ctl.store.tables import EVENT
@@ -102,7 +102,7 @@ def plan_dict(plan: RebalancePlan, source: str = "") -> dict[str, Any]:
 
 
 __all__ = ["advised_targets", "apply_moves", "move_vm", "pending_moves", "plan_dict", "plan_rebalance", "resume_move",
-           "store_vms", "undo_move"]
+           "settle_moves", "store_vms", "undo_move"]
 
 
 # -- carrying a plan out ------------------------------------------------------------------------------------------
@@ -416,6 +416,21 @@ def pending_moves(conn: Connection) -> list[Any]:
                alloc.HOST.c.name.label("from_host"), to_host.c.name.label("to_host"))
         .join(VM, VM.c.id == MOVE.c.vm_id).join(alloc.HOST, alloc.HOST.c.id == MOVE.c.from_host_id)
         .outerjoin(to_host, to_host.c.id == MOVE.c.to_host_id).order_by(MOVE.c.started_at)).all())
+
+
+def settle_moves(ctl: Controller) -> dict[str, str]:
+    """Settle every move whose process stopped (admin; `resume_move` each, one failing does not stop the others):
+    the server's leader runs it on every tick, so a VM is left between two places for seconds, not until the next
+    reconcile. Per VM settled, "finished", "rolled back", or why it could not be."""
+    with ctl.engine.connect() as conn:
+        stopped = [mv.vm_id for mv in pending_moves(conn) if not is_held(mv.lease_holder, mv.lease_expires)]
+    out = {}
+    for vm_id in stopped:
+        try:
+            out[vm_id] = resume_move(ctl, vm_id)
+        except Exception as exc:  # taken meanwhile (a reconcile, another leader), or a host failing: said
+            out[vm_id] = exc.message if isinstance(exc, VgpuCtlError) else f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def resume_move(ctl: Controller, vm_id: str) -> str:
