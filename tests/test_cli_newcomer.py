@@ -252,7 +252,7 @@ def test_vm_list_short_ids_are_accepted_back(cli: Cli, monkeypatch: pytest.Monke
 
 
 def test_an_ambiguous_id_prefix_is_refused(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
-    import vgpu_ctl.service.controller as controller_module
+    import vgpu_ctl.service.claim as claim_module
     ids = iter([uuid.UUID("abcd1234-0000-4000-8000-000000000001"), uuid.UUID("abcd5678-0000-4000-8000-000000000002")])
 
     class FakeUuid:
@@ -260,7 +260,7 @@ def test_an_ambiguous_id_prefix_is_refused(cli: Cli, monkeypatch: pytest.MonkeyP
         def uuid4() -> uuid.UUID:
             return next(ids)
 
-    monkeypatch.setattr(controller_module, "uuid", FakeUuid)
+    monkeypatch.setattr(claim_module, "uuid", FakeUuid)
     with Controller(cli.url) as ctl:
         for name in ("a", "b"):
             ctl.request_vm("acme", name, [("1g.10gb", 1)], vcpus=1, memory_mib=1024, provision=False)
