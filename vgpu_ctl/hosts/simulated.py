@@ -75,8 +75,12 @@ class SimulatedHost:
         state_dir.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
-    def _state(self, write: bool) -> Iterator[State]:
-        """The host's state under a file lock; written back atomically when `write` is set."""
+    def _state(self, write: bool, durable: bool = False) -> Iterator[State]:
+        """The host's state under a file lock; written back atomically (a rename) when `write` is set, and
+        flushed to disk first when `durable` is. Only what a real host keeps across a reboot is durable: a
+        defined domain and its managed save image. Devices and whether a domain runs are not (a reboot loses
+        them on a real host too, and reconcile restores them), so provisioning a VM costs one fsync, its
+        domain's definition."""
         with open(self.state_dir / f"{self.name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
             state: State = {"devices": {}, "domains": {}}
@@ -87,8 +91,9 @@ class SimulatedHost:
                 fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
                 with os.fdopen(fd, "w") as f:
                     json.dump(state, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    if durable:
+                        f.flush()
+                        os.fsync(f.fileno())
                 os.replace(tmp, self.path)
 
     def create_device(self, spec: DeviceSpec) -> DeviceHandle:
@@ -144,7 +149,7 @@ class SimulatedHost:
         except libvirt.libvirtError as exc:
             raise host_error(self.name, "defining domain", exc) from None
         given_uuid = parse_xml(xml).findtext("uuid")
-        with self._state(write=True) as state:
+        with self._state(write=True, durable=True) as state:
             domains = state["domains"]
             old = domains.get(name)
             if old is not None and given_uuid is None:
@@ -187,7 +192,7 @@ class SimulatedHost:
         """Mark the running domain saved and stopped (idempotent: already saved is fine); its next start restores
         it (counted in the state file's `restores`)."""
         _hold("managed_save")
-        with self._state(write=True) as state:
+        with self._state(write=True, durable=True) as state:
             dom = state["domains"].get(name)
             if dom is None or not (dom["active"] or dom.get("saved")):
                 raise HostError(f"host {self.name}: domain {name} is not running and has no managed save image, "
@@ -197,7 +202,7 @@ class SimulatedHost:
     def undefine_domain(self, name: str) -> None:
         """Forget the domain (idempotent: absent is fine)."""
         _hold("undefine_domain")
-        with self._state(write=True) as state:
+        with self._state(write=True, durable=True) as state:
             state["domains"].pop(name, None)
 
     def list_domains(self) -> list[DomainInfo]:
