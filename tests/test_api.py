@@ -667,7 +667,7 @@ def test_idempotency_keys_expire_after_the_ttl(tmp_path: Path) -> None:
     ({**VM_BODY, "vcpus": "eight"}, {}, "vcpus", "eight"),
     ({**VM_BODY, "vcpus": 2.5}, {}, "vcpus", 2.5),
     ({**VM_BODY, "vgpus": "1g.10gb"}, {}, "vgpus", "1g.10gb"),
-    ({**VM_BODY, "vgpus": []}, {}, "vgpus", []),
+    ({**VM_BODY, "vgpus": [{"profile": "1g.10gb", "count": 0}]}, {}, "count", 0),
     ({**VM_BODY, "name": "a b"}, {}, "name", "a b"),
     ({**VM_BODY, "name": "x\n"}, {}, "name", "x\n"),
     ({**VM_BODY, "vgpus": [{"profile": "1g.10gbb"}]}, {}, "profile", "1g.10gbb"),
