@@ -89,7 +89,7 @@ def test_hibernated_victim_frees_host_memory_keeps_devices_and_resumes(make: Any
     assert host_used(ctl) == (2, 8192)  # only serve holds the host now
     check_store_invariants(ctl.engine)
     queue = ctl.scheduling.queue()
-    assert [(q["name"], q["requeued"], q["vm_id"]) for q in queue] == [("train", True, low.id)]
+    assert [(q["name"], q["requeued"], q["hibernated"], q["vm_id"]) for q in queue] == [("train", True, True, low.id)]
     events = ctl.events()
     assert next(e for e in events if e["action"] == "vm.preempted")["params"]["mode"] == "hibernate"
     assert ctl.scheduling.preemption_counts() == {("capacity", "hibernate"): 1}

@@ -203,7 +203,7 @@ def queue(tenant: str = typer.Option(None, help="Only this tenant's requests (po
     for r in out["queue"]:
         table.add_row(str(r["position"]), r["operation"][:8], r["tenant"] or "-", r["name"],
                       f"{r['priority_class'] or '-'} ({r['priority']})", f"{r['fairshare']:.3f}", r["since"][:19],
-                      "yes" if r["requeued"] else "", r["reason"] or "")
+                      "hibernated" if r.get("hibernated") else "yes" if r["requeued"] else "", r["reason"] or "")
     print_table(table, fmt)
 
 

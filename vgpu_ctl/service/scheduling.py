@@ -963,7 +963,7 @@ def _default_for(conn: Connection, tenant_id: int, known: Mapping[str, PriorityC
 
 def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[dict[str, Any]]:
     """What waits, in admission order: position, tenant, name, class and value, fair-share factor, since when,
-    whether it is a preempted VM requeued, and why it waits."""
+    whether it is a preempted VM requeued (and hibernated: it resumes on its host), and why it waits."""
     names = dict(conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)).all())
     out = []
     for pos, (r, cls, factor) in enumerate(queue_order(conn, catalog), start=1):
@@ -973,6 +973,7 @@ def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[d
         out.append({"position": pos, "operation": r.id, "tenant": names.get(r.tenant_id), "name": r.request["name"],
                     "priority_class": cls.name or None, "priority": cls.value, "fairshare": round(factor, 6),
                     "since": r.created_at.isoformat(), "requeued": bool(r.request.get("requeued")),
+                    "hibernated": bool(r.request.get("resume")),
                     "deadline": r.request.get("deadline"),
                     "vm_id": r.vm_id, "reason": why})
     return out
