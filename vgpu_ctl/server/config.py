@@ -35,6 +35,7 @@ class ServerConfig:
     idempotency_ttl_s: float = 86400.0
     metrics_access: str = "token"  # token: an admin or reader token; loopback: also without one from 127.0.0.1
     drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight operations may take to finish
+    allocator: bool = True  # plan claims against the fleet in memory, written by group commit (service/allocator)
 
     def host_port(self) -> tuple[str, int]:
         """The address and port of `listen`; InvalidInput naming the field otherwise."""
@@ -59,6 +60,9 @@ class ServerConfig:
                                    reasons=[{"field": name, "value": value}])
         self.host_port()
         check_int("workers", self.workers, 1, 256)
+        if not isinstance(self.allocator, bool):
+            raise InvalidInput(f"allocator {self.allocator!r} must be true or false",
+                               reasons=[{"field": "allocator", "value": self.allocator}])
         for name in _SECONDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \

@@ -18,6 +18,7 @@ from pathlib import Path
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.service import idempotency, server_lease
 from vgpu_ctl.service import operations as ops
+from vgpu_ctl.service.allocator import Allocator
 from vgpu_ctl.service.context import ServiceContext
 from vgpu_ctl.service.controller import Controller
 from vgpu_ctl.service.leases import new_holder, set_lease_seconds
@@ -65,6 +66,8 @@ class Runtime:
         # VM leases last as long as operation leases: a dead server's VMs are taken over with its operations
         self._lease_before = set_lease_seconds(cfg.operation_lease_s)
         self.ctx = context or open_store(cfg)
+        if cfg.allocator and self.ctx.allocator is None:  # claims planned in memory, written by group commit
+            self.ctx.allocator = Allocator(self.ctx)
         self.server = Controller(context=self.ctx, principal=Principal("server"))
         self.holder = new_holder()
         self.stats = LoopStats()

@@ -18,6 +18,7 @@ from vgpu_ctl.store.unit import StoreEngine, StoreError
 from vgpu_ctl.store.urls import check_store_url, store_error
 
 if TYPE_CHECKING:
+    from vgpu_ctl.service.allocator import Allocator
     from vgpu_ctl.service.hosts import HostFactory
 
 
@@ -40,6 +41,7 @@ class ServiceContext:
                 migrate.require_head(self.engine)
         except (StoreError, OSError) as exc:
             raise store_error(url or default_url(), exc) from None
+        self.allocator: Allocator | None = None  # a server's in-memory allocator (service/allocator.py), if any
         from vgpu_ctl.service.hosts import HostFactory, simulated_state_dir
         self.hosts = host_factory or HostFactory(  # simulated hosts live with their store
             self.state_path, simulated_dir=simulated_state_dir(self.engine.url, self.state_path))
@@ -67,7 +69,10 @@ class ServiceContext:
         return self.db.write_turn()
 
     def close(self) -> None:
-        """Release database connections, host connections and the writer machinery."""
+        """Release database connections, host connections and the writer machinery (the allocator's claims
+        queued by then are written first)."""
+        if self.allocator is not None:
+            self.allocator.close()
         self.hosts.close()
         self.db.close()
 

@@ -450,7 +450,8 @@ class Controller:
         if template is not None:  # before the claim: a bad name changes nothing
             self.hosts.renderer.check_template(template)
         try:
-            claimed = claims.claim(self, req, dry_run)
+            claim = self.ctx.allocator.claim if self.ctx.allocator is not None else claims.claim
+            claimed = claim(self, req, dry_run)
         except Refused as exc:
             if dry_run:
                 raise

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Benchmark the server's in-memory allocator (vgpu_ctl/service/allocator.py) beside the store path, in one run.
+
+One SQLite fleet (default 10,000 GPUs: the fleet of bench_placement.py, pools ampere/hopper/ada with pack, its
+tenants and quotas), pre-filled as bench_placement pre-fills it; each phase starts from a copy of it and places
+the same request sequence (bench_placement's):
+
+- raw sqlite3: bench_placement's hand-written claim+quota transaction (charge the tenant, read a candidate
+  page, take the host, compare-and-set the GPU), the reference every figure is a ratio to.
+- store path: `Controller.request_vm(provision=False)` without an allocator (service/claim.py: read, plan,
+  one write transaction per claim), from 1 caller and from C threads sharing one context.
+- allocator: the same calls with the context's allocator (plan in memory, group commit), 1 caller and C.
+- http: `vgpuctl serve` (allocator = false, then true) and C client threads each `POST /v1/vms?wait=60s`:
+  a create over HTTP is an operation, run by a worker, and provisions the VM on its simulated host, so these
+  rows measure the whole create, not the claim alone.
+
+Reported: placements per second of wall clock, p50/p99 latency, ratio to the raw reference, and for the
+allocator how many claims each group commit wrote. Targets (issue 12): >= 5,000 placements/s through the
+allocator at 10,000 GPUs with p99 <= 5 ms. `--profile FILE` writes a cProfile of the allocator phase.
+
+Usage: bench_allocator.py [--gpus 10000] [--requests 2000] [--clients 16] [--raw 2000] [--json] [--profile F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_api import VGPUCTL, _fan_out, _free_port, _vgpus
+from bench_placement import (
+    FILL_TARGET,
+    Req,
+    _backup,
+    build_store,
+    expected_fill,
+    phase_raw,
+    prefill,
+    request_sequence,
+)
+
+from vgpu_ctl import Controller, load_catalog
+from vgpu_ctl.errors import Refused
+from vgpu_ctl.service.allocator import Allocator
+from vgpu_ctl.service.context import ServiceContext
+
+
+class Fleet:
+    """The pre-filled fleet and fresh copies of it (store file and state folder)."""
+
+    def __init__(self, work: Path, n_gpus: int, n_requests: int, seed: int) -> None:
+        self.work = work
+        self.base = work / "base"
+        self.base.mkdir()
+        url = f"sqlite:///{self.base / 'store.db'}"
+        catalog = load_catalog()
+        build_store(url, self.base, catalog, n_gpus, "auto")
+        target = min(0.88, max(0.0, FILL_TARGET - expected_fill(catalog, n_gpus, n_requests) - 0.02))
+        self.fill = prefill(url, catalog, target, seed)
+        self._n = 0
+
+    def copy(self) -> tuple[str, Path]:
+        """A copy: its URL and state folder."""
+        self._n += 1
+        dest = self.work / f"copy{self._n}"
+        shutil.copytree(self.base, dest, ignore=shutil.ignore_patterns("store.db*"))
+        _backup(self.base / "store.db", dest / "store.db")
+        return f"sqlite:///{dest / 'store.db'}", dest
+
+
+def phase_claims(url: str, state: Path, reqs: Sequence[Req], clients: int, allocator: bool,
+                 profile: str | None = None) -> dict[str, Any]:
+    """`request_vm(provision=False)` from `clients` threads sharing one context, with or without its
+    allocator."""
+    ctx = ServiceContext(url, state_path=state)
+    if allocator:
+        ctx.allocator = Allocator(ctx)
+    admin = Controller(context=ctx)
+
+    def one(k: int, req: Req) -> bool:
+        try:
+            admin.request_vm(req.tenant, f"vm-{req.index}", _vgpus(req), vcpus=req.vcpus,
+                             memory_mib=req.memory_mib, pool=req.pool, provision=False)
+            return True
+        except Refused:
+            return False
+
+    prof = cProfile.Profile() if profile else None
+    try:
+        if prof:
+            prof.enable()
+        out = _fan_out(reqs, clients, one)
+        if prof and profile:
+            prof.disable()
+            prof.dump_stats(profile)
+        if ctx.allocator is not None:
+            s = ctx.allocator.stats
+            out["per_batch"] = s["claims"] / s["batches"] if s["batches"] else 0.0
+            out["store_path"] = s["store_path"]
+            out["lost"] = s["lost"]
+        return out
+    finally:
+        ctx.close()
+
+
+def _serve(url: str, state: Path, workers: int, allocator: bool) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    config = state / f"serve-{port}.toml"
+    config.write_text(f"[server]\nallocator = {'true' if allocator else 'false'}\n")
+    with open(state / f"serve-{port}.log", "wb") as log:
+        proc = subprocess.Popen([VGPUCTL, "--db", url, "serve", "--config", str(config), "--listen",
+                                 f"127.0.0.1:{port}", "--workers", str(workers), "--reconcile-interval", "0",
+                                 "--log-level", "warning"], env={"VGPU_CTL_STATE_DIR": str(state),
+                                                                 "PATH": "/usr/bin:/bin"},
+                                stdout=subprocess.DEVNULL, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"vgpuctl serve exited {proc.returncode}: "
+                               f"{(state / f'serve-{port}.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError("vgpuctl serve did not answer /healthz within 60 s")
+
+
+def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, allocator: bool) -> dict[str, Any]:
+    """One server, C client threads, each `POST /v1/vms?wait=60s`."""
+    token = subprocess.run([VGPUCTL, "--db", url, "token", "create", "bench", "--role", "admin"],
+                           env={"VGPU_CTL_STATE_DIR": str(state), "PATH": "/usr/bin:/bin"}, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    proc, base = _serve(url, state, clients, allocator)
+    sessions = [httpx.Client(base_url=base, timeout=120, headers={"Authorization": f"Bearer {token}"})
+                for _ in range(clients)]
+
+    def one(k: int, req: Req) -> bool:
+        body = {"tenant": req.tenant, "name": f"vm-{req.index}", "vcpus": req.vcpus, "memory_mib": req.memory_mib,
+                "pool": req.pool, "vgpus": [{"profile": p, "count": n} for p, n in _vgpus(req)]}
+        r = sessions[k].post("/v1/vms", params={"wait": "60s"}, json=body)
+        if r.status_code == 201:
+            return True
+        if r.status_code == 409:
+            return False
+        raise RuntimeError(f"POST /v1/vms: {r.status_code} {r.text[:300]}")
+
+    try:
+        return _fan_out(reqs, clients, one)
+    finally:
+        for s in sessions:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every phase on copies of one fleet."""
+    reqs = request_sequence(load_catalog(), args.seed, args.requests)
+    with tempfile.TemporaryDirectory(prefix="bench-allocator-") as d:
+        fleet = Fleet(Path(d), args.gpus, args.requests, args.seed)
+        raw = phase_raw(fleet.copy()[0].removeprefix("sqlite:///"), args.raw)
+        rows: list[dict[str, Any]] = []
+        for name, clients, allocator in (("store path", 1, False), (f"store path, {args.clients} callers",
+                                                                    args.clients, False),
+                                         ("allocator", 1, True),
+                                         (f"allocator, {args.clients} callers", args.clients, True)):
+            prof = args.profile if allocator and clients > 1 else None
+            rows.append({"phase": name, **phase_claims(*fleet.copy(), reqs, clients, allocator, prof)})
+        if args.http:
+            n = min(len(reqs), args.http)
+            for allocator in (False, True):
+                rows.append({"phase": f"http create, {'allocator' if allocator else 'store path'}, "
+                                      f"{args.clients} clients",
+                             **phase_http(*fleet.copy(), reqs[:n], args.clients, allocator)})
+        for r in rows:
+            r["ratio_raw"] = r["per_s"] / raw["per_s"] if raw["per_s"] else 0.0
+        return {"gpus": args.gpus, "prefill": fleet.fill, "requests": len(reqs), "raw": raw, "rows": rows}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The table (Markdown) and the targets."""
+    raw = report["raw"]
+    out = [f"{report['gpus']:,} GPUs, pre-filled {100 * report['prefill']:.1f} %, {report['requests']} requests "
+           f"(SQLite); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
+           "| phase | placed | refused | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        batch = f"{r['per_batch']:.1f}" if "per_batch" in r else ""
+        out.append(f"| {r['phase']} | {r['created']} | {r['refused']} | {r['per_s']:,.0f} | {r['p50_ms']:.2f} | "
+                   f"{r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {batch} |")
+    best = max((r for r in report["rows"] if r["phase"].startswith("allocator")), key=lambda r: r["per_s"])
+    ok = best["per_s"] >= 5000 and best["p99_ms"] <= 5
+    out += ["", f"{'PASS' if ok else 'MISS'}  >= 5,000 placements/s with p99 <= 5 ms through the allocator: "
+                f"{best['per_s']:,.0f}/s, p99 {best['p99_ms']:.2f} ms ({best['phase']})"]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run and print."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--gpus", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--clients", type=int, default=16, help="concurrent callers of the many-callers phases")
+    ap.add_argument("--raw", type=int, default=2000, help="raw sqlite3 reference transactions")
+    ap.add_argument("--http", type=int, default=300, help="requests of each HTTP phase (0: no HTTP phases)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile of the allocator phase with many callers")
+    args = ap.parse_args(argv)
+    report = run(args)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The server's in-memory allocator (`vgpu_ctl.service.allocator`), on SQLite and PostgreSQL: claims planned
+in memory and written by group commit land as the store path would place them and keep the store consistent;
+many callers at once never double-claim and quotas stay exact, also from two replicas (two allocators) on one
+PostgreSQL store; a claim that loses a race against another writer reloads what changed and plans again."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DEMO, check_store_invariants
+
+from vgpu_ctl import Controller, NoCapacity, QuotaExceeded, VmInfo
+from vgpu_ctl.errors import Conflict, InvalidInput
+from vgpu_ctl.server.config import ServerConfig, load_config
+from vgpu_ctl.server.runtime import Runtime
+from vgpu_ctl.service.allocator import Allocator
+from vgpu_ctl.service.principals import Principal
+
+
+def served(ctl: Controller) -> Allocator:
+    """Give the Controller's context an allocator, as `vgpuctl serve` does."""
+    ctl.ctx.allocator = Allocator(ctl.ctx)
+    return ctl.ctx.allocator
+
+
+@pytest.fixture
+def acme(ctl: Controller) -> Controller:
+    ctl.create_tenant("acme")
+    return ctl
+
+
+def req(ctl: Controller, name: str, profile: str, tenant: str = "acme", **kw: Any) -> Any:
+    return ctl.request_vm(tenant, name, [(profile, 1)], vcpus=2, memory_mib=4096, provision=False, **kw)
+
+
+def usage(ctl: Controller, tenant: str = "acme") -> dict[tuple[str, str], int]:
+    return {(r["scope"], r["resource"]): r["used"] for r in ctl.tenant_usage(tenant)}
+
+
+def storm(ctls: list[Controller], profile: str, n: int, **kw: Any) -> dict[str, list[Any]]:
+    """`n` requests at once from a thread each, spread over the controllers; what each got, by kind."""
+    out: dict[str, list[Any]] = {"placed": [], "refused": [], "other": []}
+    lock = threading.Lock()
+    start = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            got: Any = req(ctls[i % len(ctls)], f"s{i}", profile, **kw)
+            kind = "placed"
+        except (NoCapacity, QuotaExceeded) as exc:
+            got, kind = exc, "refused"
+        except Exception as exc:  # reported by the assertions on "other"
+            got, kind = exc, "other"
+        with lock:
+            out[kind].append(got)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def positions(vms: list[VmInfo]) -> list[tuple[str, int]]:
+    return sorted((d.gpu, d.start) for v in vms for d in v.devices)
+
+
+def test_claims_through_memory_land_as_the_store_path_places_them(acme: Controller, store_url: str) -> None:
+    store_path = Controller(store_url, init=False)
+    try:
+        store_path.create_tenant("other")
+        expected = [req(store_path, f"e{i}", p, tenant="other", dry_run=True)
+                    for i, p in enumerate(["A100D-10C", "3g.40gb", "L40S-12C"])]
+    finally:
+        store_path.close()
+    allocator = served(acme)
+    vms = [req(acme, f"v{i}", p) for i, p in enumerate(["A100D-10C", "3g.40gb", "L40S-12C"])]
+    assert [(v.host, v.pool, [(d.gpu, d.start) for d in v.devices]) for v in vms] == \
+        [(e.host, e.pool, [(d.gpu, d.start) for d in e.devices]) for e in expected]
+    assert allocator.stats["claims"] == 3 and allocator.stats["store_path"] == 0
+    assert [v.id for v in vms] == [acme.get_vm(v.id).id for v in vms] and all(v.state == "placed" for v in vms)
+    assert usage(acme)[("*", "vms")] == 3
+    events = [e for e in acme.events("acme") if e["action"] == "vm.create"]
+    assert [e["result"] for e in events] == ["ok"] * 3
+    check_store_invariants(acme.engine)
+    acme.release_vm(vms[0].id)
+    assert usage(acme)[("*", "vms")] == 2
+    check_store_invariants(acme.engine)
+
+
+def test_what_memory_cannot_decide_goes_the_store_path(acme: Controller) -> None:
+    allocator = served(acme)
+    req(acme, "a", "A100D-10C")
+    with pytest.raises(Conflict, match="already has a VM named 'a'"):  # the unique name, found in the write
+        req(acme, "a", "A100D-10C")
+    plan = req(acme, "x", "A100D-10C", dry_run=True)
+    assert not isinstance(plan, VmInfo) and acme.list_vms() == [acme.get_vm("acme/a")]
+    acme.set_quota("acme", {"vms": 1})
+    with pytest.raises(QuotaExceeded) as err:
+        req(acme, "b", "A100D-10C")
+    assert err.value.reasons[0]["resource"] == "vms"
+    assert allocator.stats["store_path"] == 3 and allocator.stats["claims"] == 1
+    check_store_invariants(acme.engine)
+
+
+def test_concurrent_callers_never_double_claim_and_quotas_stay_exact(acme: Controller) -> None:
+    served(acme)
+    got = storm([acme], "A100D-10C", 14, pool="inference")  # the pinned GPU holds 8
+    assert got["other"] == [] and len(got["placed"]) == 8 and len(got["refused"]) == 6
+    assert positions(got["placed"]) == [("kvm-a100-01/0000:81:00.0", s) for s in range(0, 80, 10)]
+    assert usage(acme)[("*", "vms")] == 8
+    check_store_invariants(acme.engine)
+
+    acme.create_tenant("beta")
+    acme.set_quota("beta", {"vgpus": 5})
+    got = storm([acme], "1g.10gb", 12, tenant="beta")
+    assert got["other"] == [] and len(got["placed"]) == 5
+    assert all(isinstance(e, QuotaExceeded) for e in got["refused"])
+    assert usage(acme, "beta")[("*", "vgpus")] == 5 and len(acme.list_vms("beta")) == 5
+    check_store_invariants(acme.engine)
+
+
+@pytest.fixture
+def two_replicas(pg_url: str, state_dir: Any) -> Iterator[tuple[Controller, Controller]]:
+    one = Controller(pg_url)
+    one.apply_inventory(DEMO)
+    one.create_tenant("acme")
+    two = Controller(pg_url, init=False)
+    try:
+        served(one), served(two)
+        yield one, two
+    finally:
+        two.close()
+        one.close()
+
+
+@pytest.mark.postgres
+def test_two_replicas_on_postgresql_never_double_claim(two_replicas: tuple[Controller, Controller]) -> None:
+    one, two = two_replicas
+    got = storm([one, two], "A100D-10C", 14, pool="inference")
+    assert got["other"] == [] and len(got["placed"]) == 8 and len(got["refused"]) == 6
+    assert positions(got["placed"]) == [("kvm-a100-01/0000:81:00.0", s) for s in range(0, 80, 10)]
+    one.set_quota("acme", {"vms": 11})
+    got = storm([one, two], "1g.10gb", 8)
+    assert got["other"] == [] and len(got["placed"]) == 3
+    assert usage(one)[("*", "vms")] == 11 and len(one.list_vms("acme")) == 11
+    assert one.ctx.allocator is not None and two.ctx.allocator is not None
+    assert one.ctx.allocator.stats["lost"] + two.ctx.allocator.stats["lost"] > 0  # the replicas did race
+    check_store_invariants(one.engine)
+
+
+def test_a_claim_that_loses_a_race_reloads_and_plans_again(acme: Controller, store_url: str) -> None:
+    allocator = served(acme)  # memory read now: the pinned GPU's first start is free
+    rival = Controller(store_url, init=False)
+    try:
+        rival.create_tenant("rival")
+        taken = [req(rival, f"r{i}", "A100D-10C", tenant="rival") for i in range(2)]  # behind the allocator's back
+    finally:
+        rival.close()
+    vm = req(acme, "a", "A100D-10C")
+    assert [t.devices[0].start for t in taken] == [0, 10] and vm.devices[0].start == 20
+    assert allocator.stats["lost"] == 1 and allocator.stats["claims"] == 1 and allocator.stats["store_path"] == 0
+    assert usage(acme)[("*", "vms")] == 1
+    check_store_invariants(acme.engine)
+
+
+# -- in `vgpuctl serve` ---------------------------------------------------------------------------------------
+
+
+def test_serve_claims_through_its_allocator_unless_told_not_to(tmp_path: Path, state_dir: Path) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with Controller(url) as admin:
+        admin.apply_inventory(DEMO)
+        admin.create_tenant("acme")
+    for enabled in (True, False):
+        rt = Runtime(ServerConfig(store=url, reconcile_interval_s=0, allocator=enabled))
+        try:
+            vm = req(rt.controller(Principal("admin")), f"v-{str(enabled).lower()}", "A100D-10C")
+            allocator = rt.ctx.allocator
+            assert (allocator is not None) is enabled and vm.state == "placed"
+            assert allocator is None or allocator.stats["claims"] == 1
+        finally:
+            rt.close()
+    with Controller(url) as admin:
+        assert usage(admin)[("*", "vms")] == 2
+        check_store_invariants(admin.engine)
+
+
+def test_a_bad_allocator_setting_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nallocator = "yes"\n')
+    with pytest.raises(InvalidInput) as err:
+        load_config(path, {})
+    assert err.value.reasons == [{"field": "allocator", "value": "yes"}]
+    assert "allocator 'yes' must be true or false" in err.value.message

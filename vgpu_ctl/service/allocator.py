@@ -1,0 +1,374 @@
+"""The in-memory allocator a server keeps, one per store: the occupancy of every GPU and host of every pool in
+memory, plans against it, and claims written to the store by group commit.
+
+    caller:  plan against memory (under the allocator's lock) -> the plan is applied to memory at once, so the
+             next caller plans around it -> queued for the committer -> wait until it is durable
+    committer thread: take every queued claim (up to `max_batch`), one write transaction, a savepoint each:
+             charge, take (compare-and-set), VM + devices + audit event (claim.py's own steps) -> commit once
+             -> answer each caller
+
+The store stays the arbiter: each claim's conditional updates run as on the store path, so another replica
+(or process, or a release on this one) that changed a host or GPU since memory was read makes that claim
+lose its savepoint; the allocator then reloads those hosts from the store and the caller plans again. What
+memory cannot decide goes the store path (`claim.claim`), which is exact: anti-affinity, dry runs,
+spread-load pools, a request nothing in memory fits (the refusal is then the store's, and memory is reloaded),
+a claim refused in the write (a limit, a name taken, an idempotency key used). Memory is also reloaded every
+`refresh_s`, for capacity freed elsewhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import heapq
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vgpu_ctl.core.geometry import Geometry, Occupancy, fit_mask, profile_bit
+from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest, plan
+from vgpu_ctl.service import allocation as alloc
+from vgpu_ctl.service import claim as claims
+from vgpu_ctl.service.requests import VmInfo, VmRequest
+
+if TYPE_CHECKING:
+    from vgpu_ctl.service.context import ServiceContext
+    from vgpu_ctl.service.controller import Controller
+
+MAX_PAGES = 4  # candidate pages planned in memory before the request goes the store path
+RETRIES = 8  # lost races planned again in memory before the request goes the store path
+
+
+def _key(order: CandidateOrder) -> Callable[[GpuView], tuple[int, ...]]:
+    """The candidate order of a pool's policy, on GPU views (as the store's candidate index orders rows)."""
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return lambda g: (-g.occupancy.free_units, g.gpu_id)
+    if order is CandidateOrder.HOST_ORDER:
+        return lambda g: (g.gpu_id,)
+    return lambda g: (g.occupancy.free_units, g.gpu_id)
+
+
+def _bits(occ: Occupancy, lacks: frozenset[str]) -> int:
+    """The GPU's fit mask less the profiles its host lacks type ids for (as the store keeps `gpu.fits`)."""
+    mask = fit_mask(occ)
+    for p in lacks:
+        mask &= ~profile_bit(occ.geometry, p)
+    return mask
+
+
+@dataclass
+class _Pool:
+    """One pool in memory: its row, policy, hosts (views of the pool's GPUs), and an index per (geometry, fit
+    bit) of the GPUs in the policy's candidate order."""
+
+    row: Any
+    order: CandidateOrder
+    whole_hosts: bool
+    hosts: dict[int, HostView] = field(default_factory=dict)
+    host_of: dict[int, int] = field(default_factory=dict)
+    gpus: dict[int, GpuView] = field(default_factory=dict)
+    geometries: dict[int, Geometry] = field(default_factory=dict)
+    page: alloc.Candidates = field(default_factory=lambda: alloc.Candidates([], {}))
+    index: dict[tuple[int, int], list[tuple[int, ...]]] = field(default_factory=dict)
+    keys: dict[int, tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    def unindex(self, gid: int) -> None:
+        """Take a GPU out of the index."""
+        slots, key = self.keys.pop(gid, ((), ()))
+        for slot in slots:
+            entries = self.index[slot]
+            i = bisect.bisect_left(entries, key)
+            if i < len(entries) and entries[i] == key:
+                del entries[i]
+
+    def reindex(self, g: GpuView) -> None:
+        """Put a GPU in the index by its fit bits and candidate key."""
+        self.unindex(g.gpu_id)
+        key = _key(self.order)(g)
+        bits = _bits(g.occupancy, g.lacks)
+        geo = id(g.occupancy.geometry)
+        slots = tuple((geo, 1 << b) for b in range(bits.bit_length()) if bits >> b & 1)
+        for slot in slots:
+            bisect.insort(self.index.setdefault(slot, []), key)
+        self.keys[g.gpu_id] = (slots, key)
+
+    def put_host(self, view: HostView) -> None:
+        """Replace a host's view (and its GPUs' index entries)."""
+        old = self.hosts.get(view.host_id)
+        for g in old.gpus if old else ():
+            self.unindex(g.gpu_id)
+            self.host_of.pop(g.gpu_id, None)
+            self.gpus.pop(g.gpu_id, None)
+        self.hosts[view.host_id] = view
+        for g in view.gpus:
+            self.host_of[g.gpu_id] = view.host_id
+            self.gpus[g.gpu_id] = g
+            self.geometries.setdefault(id(g.occupancy.geometry), g.occupancy.geometry)
+            self.reindex(g)
+
+    def candidates(self, req: PlacementRequest) -> Iterator[list[HostView]]:
+        """Pages of hosts in the policy's candidate order that may take the request (by fit bits and room):
+        GPU pages (only the page's GPUs in each view) for one vGPU, whole-host pages otherwise."""
+        profile = req.profiles[0]
+        lists = []
+        for geo_id, geo in self.geometries.items():
+            bit = profile_bit(geo, profile)
+            if bit and (geo_id, bit) in self.index:
+                lists.append(self.index[(geo_id, bit)])
+        whole = self.whole_hosts or len(req.profiles) > 1
+        size = alloc.HOST_PAGE if whole else alloc.PAGE
+        picked: dict[int, list[GpuView]] = {}
+        count = 0
+        for key in heapq.merge(*lists):
+            gid = key[-1]
+            hid = self.host_of[gid]
+            view = self.hosts[hid]
+            if view.state != "active" or view.free_vcpus < req.vcpus or view.free_memory_mib < req.memory_mib:
+                continue
+            if whole:
+                if hid in picked:
+                    continue
+                picked[hid] = list(view.gpus)
+            else:
+                picked.setdefault(hid, []).append(self.gpus[gid])
+            count += 1
+            if count >= size:
+                yield self._page(picked, whole)
+                picked, count = {}, 0
+        if picked:
+            yield self._page(picked, whole)
+
+    def _page(self, picked: dict[int, list[GpuView]], whole: bool) -> list[HostView]:
+        views = []
+        for hid, gpus in picked.items():
+            view = self.hosts[hid]
+            views.append(view if whole else dataclasses.replace(view, gpus=tuple(gpus), gpu_count=None))
+        return views
+
+
+@dataclass
+class _Claim:
+    """A planned claim waiting for the committer, and its outcome."""
+
+    ctl: Controller
+    req: VmRequest
+    pool: _Pool
+    tenant_id: int
+    chosen: PlacementPlan
+    page: alloc.Candidates
+    delta: dict[str, int]
+    charges: dict[tuple[str, str], int]
+    done: threading.Event = field(default_factory=threading.Event)
+    vm: VmInfo | None = None
+    lost: bool = False  # a conditional update found the store changed: plan again
+    error: BaseException | None = None  # refused in the write (or failed): the store path answers
+
+
+class Allocator:
+    """The fleet in memory for one store, with a committer thread writing claims by group commit."""
+
+    def __init__(self, ctx: ServiceContext, *, max_batch: int = 128, refresh_s: float = 5.0) -> None:
+        """Load every pool's hosts and GPUs from the store (`ctx`) and start the committer."""
+        self.ctx = ctx
+        self.max_batch = max_batch
+        self.refresh_s = refresh_s
+        self._lock = threading.RLock()
+        self._queue: queue.Queue[_Claim | None] = queue.Queue()
+        self._pools: dict[str, _Pool] = {}
+        self._tenants: dict[str, int] = {}
+        self._loaded = 0.0
+        self.stats = {"claims": 0, "batches": 0, "lost": 0, "store_path": 0, "reloads": 0}
+        self.reload()
+        self._thread = threading.Thread(target=self._commit_loop, name="vgpu-allocator", daemon=True)
+        self._thread.start()
+
+    # -- memory ------------------------------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Read every pool, host and GPU from the store again (what other replicas and releases changed)."""
+        with self.ctx.engine.connect() as conn:
+            rows = claims.all_pools(conn)
+            names = {p.id: p.name for p in rows}
+            fresh = {}
+            for p in rows:
+                policy = claims.pool_policy(p.policy, p.demand)
+                pool = _Pool(p, policy.order, policy.host_cost is not None)
+                self._fill(pool, alloc.all_candidates(conn, self.ctx.catalog, [p.id], (), None, names))
+                fresh[p.name] = pool
+        with self._lock:
+            self._pools = fresh
+            self._loaded = time.monotonic()
+            self.stats["reloads"] += 1
+
+    def _reload_hosts(self, pool: _Pool, host_ids: Sequence[int]) -> None:
+        """Read the pool's GPUs on these hosts again, after a claim there lost a race."""
+        with self.ctx.engine.connect() as conn:
+            names = {p.id: p.name for p in claims.all_pools(conn)}
+            found = alloc.all_candidates(conn, self.ctx.catalog, [pool.row.id], (), None, names, host_ids=host_ids)
+        with self._lock:
+            self._fill(pool, found)
+
+    @staticmethod
+    def _fill(pool: _Pool, found: alloc.Candidates) -> None:
+        for view in found.hosts:
+            pool.put_host(dataclasses.replace(view, gpu_count=len(view.gpus)))
+        pool.page.versions.update(found.versions)
+        pool.page.pcis.update(found.pcis)
+        pool.page.backings.update(found.backings)
+        pool.page.simulated.update(found.simulated)
+
+    def _apply(self, pool: _Pool, req: VmRequest, chosen: PlacementPlan) -> alloc.Candidates:
+        """Apply a plan to memory (under the lock); what the claim's compare-and-set expects of its GPUs."""
+        view = pool.hosts[chosen.host_id]
+        gpus = tuple(dataclasses.replace(g, occupancy=chosen.occupancies[g.gpu_id])
+                     if g.gpu_id in chosen.occupancies else g for g in view.gpus)
+        pool.put_host(dataclasses.replace(view, gpus=gpus, free_vcpus=view.free_vcpus - req.vcpus,
+                                          free_memory_mib=view.free_memory_mib - req.memory_mib))
+        expected = {gid: pool.page.versions[gid] for gid in chosen.occupancies}
+        for gid in chosen.occupancies:
+            pool.page.versions[gid] += 1
+        return alloc.Candidates([], expected, pool.page.pcis, pool.page.backings, pool.page.simulated)
+
+    # -- the claim ---------------------------------------------------------------------------------------------
+
+    def claim(self, ctl: Controller, req: VmRequest, dry_run: bool = False) -> claims.ClaimResult:
+        """Claim as `claim.claim` does (the same results and errors), planned in memory and written by group
+        commit; the store path for what memory cannot decide."""
+        if dry_run or req.anti_affinity or not req.vgpus:
+            return self._store_path(ctl, req, dry_run)
+        claims.check_profiles(None, ctl.catalog, req, [], offers_too=False)
+        t_id = self._tenant_id(ctl, req.tenant)
+        profiles = req.profiles()
+        delta = claims.charge_of(ctl.catalog, profiles, req.vcpus, req.memory_mib)
+        preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, None)
+        for _ in range(RETRIES):
+            item = self._plan(ctl, req, preq, t_id, delta)
+            if item is None:
+                break
+            self._queue.put(item)
+            item.done.wait()
+            if item.vm is not None:
+                return claims.Claimed(item.vm)
+            if not item.lost:
+                break
+        return self._store_path(ctl, req, False)
+
+    def _store_path(self, ctl: Controller, req: VmRequest, dry_run: bool) -> claims.ClaimResult:
+        with self._lock:
+            self.stats["store_path"] += 1
+        result = claims.claim(ctl, req, dry_run)
+        if isinstance(result, claims.Claimed) and result.vm.pool in self._pools:
+            pool = self._pools[result.vm.pool]
+            host = next((h for h in pool.hosts.values() if h.name == result.vm.host), None)
+            if host is not None:
+                self._reload_hosts(pool, [host.host_id])
+        return result
+
+    def _tenant_id(self, ctl: Controller, tenant: str) -> int:
+        t_id = self._tenants.get(tenant)
+        if t_id is None:
+            with ctl.engine.connect() as conn:
+                t_id = ctl._tenant_id(conn, tenant)
+            self._tenants[tenant] = t_id
+        return ctl._visible_tenant(tenant, t_id)
+
+    def _plan(self, ctl: Controller, req: VmRequest, preq: PlacementRequest, t_id: int,
+              delta: dict[str, int]) -> _Claim | None:
+        """The first plan memory finds in the request's pools, applied to memory; None when memory finds none
+        (or the pool needs the store path)."""
+        with self._lock:
+            pools = [self._pools.get(req.pool)] if req.pool else list(self._pools.values())
+            for pool in pools:
+                if pool is None or pool.row.policy == "spread-load":
+                    return None
+                policy = claims.pool_policy(pool.row.policy, pool.row.demand)
+                for n, hosts in enumerate(pool.candidates(preq)):
+                    chosen = plan(preq, alloc.distinct_states(hosts, preq), policy)
+                    if chosen is not None:
+                        page = self._apply(pool, req, chosen)
+                        charges = claims.scoped_charges(pool.row.name, delta, preq.profiles)
+                        return _Claim(ctl, req, pool, t_id, chosen, page, delta, charges)
+                    if n + 1 >= MAX_PAGES:
+                        break
+        return None
+
+    # -- the committer -----------------------------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                batch.append(more)
+            self._commit(batch)
+            if time.monotonic() - self._loaded > self.refresh_s:
+                self._safely(self.reload)
+
+    def _commit(self, batch: list[_Claim]) -> None:
+        """Write a batch in one transaction, a savepoint per claim; answer each caller once it is durable."""
+        try:
+            with self.ctx.write_turn(), self.ctx.engine.connect() as conn, conn.begin() as trans:
+                for item in batch:
+                    self._write_one(conn, item)
+                trans.commit()
+        except BaseException as exc:  # the transaction failed as a whole: nothing of the batch is durable
+            for item in batch:
+                item.vm, item.lost, item.error = None, False, exc
+        stale: dict[int, tuple[_Pool, set[int]]] = {}  # memory holds plans the store did not take: read again
+        for item in batch:
+            if item.vm is None:
+                stale.setdefault(id(item.pool), (item.pool, set()))[1].add(item.chosen.host_id)
+        for pool, hosts in stale.values():
+            self._safely(functools.partial(self._reload_hosts, pool, sorted(hosts)))
+        with self._lock:
+            self.stats["batches"] += 1
+            self.stats["claims"] += sum(1 for i in batch if i.vm is not None)
+            self.stats["lost"] += sum(1 for i in batch if i.lost)
+        for item in batch:
+            item.done.set()
+
+    @staticmethod
+    def _write_one(conn: Any, item: _Claim) -> None:
+        savepoint = conn.begin_nested()
+        try:
+            if claims.charge(conn, item.tenant_id, item.req.tenant, item.delta, item.charges):
+                savepoint.rollback()  # a pool-scoped limit: the store path tries the next pool, or explains
+                return
+            cls = claims.take(conn, item.tenant_id, item.req, item.chosen, item.page)
+            item.vm = claims.record_vm(item.ctl, conn, item.tenant_id, item.req, item.pool.row, item.chosen,
+                                       item.page, item.delta, item.charges, cls)
+            savepoint.commit()
+        except alloc.ClaimConflict as exc:  # the store changed since memory was read: plan again
+            savepoint.rollback()
+            item.lost, item.error = True, exc
+        except Exception as exc:  # refused in the write (a limit, a name, a key) or failed: the store path answers
+            savepoint.rollback()
+            item.vm, item.error = None, exc
+
+    def _safely(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a reload that fails leaves memory as it was; the store arbitrates regardless
+            with self._lock:
+                self.stats["reload_errors"] = self.stats.get("reload_errors", 0) + 1
+
+    def close(self) -> None:
+        """Stop the committer once the queued claims are written."""
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+__all__ = ["Allocator"]
