@@ -486,15 +486,18 @@ def _bare_host_pages(conn: Connection, req: PlacementRequest, pool_id: int,
 
 
 def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
-                   anti_affinity: str | None, pool_names: Mapping[int, str]) -> Candidates:
-    """Every GPU of the pools whose model offers a profile (any mode), for explaining a refusal; each GPU's
-    view says which profiles its host lacks type ids for."""
+                   anti_affinity: str | None, pool_names: Mapping[int, str],
+                   host_ids: Sequence[int] | None = None) -> Candidates:
+    """Every GPU of the pools (on `host_ids` only, if given) whose model offers a profile (any mode; no
+    profiles: every GPU), for explaining a refusal or loading the allocator's memory; each GPU's view says
+    which profiles its host lacks type ids for."""
     models = {m for p in set(profiles) for m in catalog.models_offering(p)}
+    where = [GPU.c.pool_id.in_(list(pool_ids))] + ([GPU.c.host_id.in_(list(host_ids))] if host_ids is not None else [])
     rows = [CandidateRow._make(r) for r in conn.execute(select(*_CANDIDATE_COLS).join(HOST, HOST.c.id == GPU.c.host_id)
-                                                   .where(GPU.c.pool_id.in_(list(pool_ids))))]
+                                                   .where(*where))]
     rows = [r for r in rows if r.model in models] or rows
     lacked = {gid: frozenset(names or ()) for gid, names in conn.execute(
-        select(GPU.c.id, GPU.c.lacked_types).where(GPU.c.pool_id.in_(list(pool_ids)), GPU.c.lacks != 0))}
+        select(GPU.c.id, GPU.c.lacked_types).where(*where, GPU.c.lacks != 0))}
     return _views(conn, catalog, rows, anti_affinity, pool_names, lacked=lacked)
 
 
