@@ -181,7 +181,8 @@ class Allocator:
         self._pools: dict[str, _Pool] = {}
         self._tenants: dict[str, int] = {}
         self._loaded = 0.0
-        self.stats = {"claims": 0, "batches": 0, "lost": 0, "store_path": 0, "reloads": 0}
+        self.stats: dict[str, float] = {"claims": 0, "batches": 0, "lost": 0, "store_path": 0, "reloads": 0,
+                                        "plan_s": 0.0, "write_s": 0.0}  # seconds planning, and writing batches
         self.reload()
         self._thread = threading.Thread(target=self._commit_loop, name="vgpu-allocator", daemon=True)
         self._thread.start()
@@ -281,19 +282,28 @@ class Allocator:
         """The first plan memory finds in the request's pools, applied to memory; None when memory finds none
         (or the pool needs the store path)."""
         with self._lock:
-            pools = [self._pools.get(req.pool)] if req.pool else list(self._pools.values())
-            for pool in pools:
-                if pool is None or pool.row.policy == "spread-load":
-                    return None
-                policy = claims.pool_policy(pool.row.policy, pool.row.demand)
-                for n, hosts in enumerate(pool.candidates(preq)):
-                    chosen = plan(preq, alloc.distinct_states(hosts, preq), policy)
-                    if chosen is not None:
-                        page = self._apply(pool, req, chosen)
-                        charges = claims.scoped_charges(pool.row.name, delta, preq.profiles)
-                        return _Claim(ctl, req, pool, t_id, chosen, page, delta, charges)
-                    if n + 1 >= MAX_PAGES:
-                        break
+            t0 = time.perf_counter()
+            try:
+                return self._plan_locked(ctl, req, preq, t_id, delta)
+            finally:
+                self.stats["plan_s"] += time.perf_counter() - t0
+
+    def _plan_locked(self, ctl: Controller, req: VmRequest, preq: PlacementRequest, t_id: int,
+                     delta: dict[str, int]) -> _Claim | None:
+        """`_plan` under the lock."""
+        pools = [self._pools.get(req.pool)] if req.pool else list(self._pools.values())
+        for pool in pools:
+            if pool is None or pool.row.policy == "spread-load":
+                return None
+            policy = claims.pool_policy(pool.row.policy, pool.row.demand)
+            for n, hosts in enumerate(pool.candidates(preq)):
+                chosen = plan(preq, alloc.distinct_states(hosts, preq), policy)
+                if chosen is not None:
+                    page = self._apply(pool, req, chosen)
+                    charges = claims.scoped_charges(pool.row.name, delta, preq.profiles)
+                    return _Claim(ctl, req, pool, t_id, chosen, page, delta, charges)
+                if n + 1 >= MAX_PAGES:
+                    break
         return None
 
     # -- the committer -----------------------------------------------------------------------------------------
@@ -319,6 +329,7 @@ class Allocator:
 
     def _commit(self, batch: list[_Claim]) -> None:
         """Write a batch in one transaction, a savepoint per claim; answer each caller once it is durable."""
+        t0 = time.perf_counter()
         try:
             with self.ctx.write_turn(), self.ctx.engine.connect() as conn, conn.begin() as trans:
                 for item in batch:
@@ -327,6 +338,7 @@ class Allocator:
         except BaseException as exc:  # the transaction failed as a whole: nothing of the batch is durable
             for item in batch:
                 item.vm, item.lost, item.error = None, False, exc
+        wrote = time.perf_counter() - t0
         stale: dict[int, tuple[_Pool, set[int]]] = {}  # memory holds plans the store did not take: read again
         for item in batch:
             if item.vm is None:
@@ -335,6 +347,7 @@ class Allocator:
             self._safely(functools.partial(self._reload_hosts, pool, sorted(hosts)))
         with self._lock:
             self.stats["batches"] += 1
+            self.stats["write_s"] += wrote
             self.stats["claims"] += sum(1 for i in batch if i.vm is not None)
             self.stats["lost"] += sum(1 for i in batch if i.lost)
         for item in batch:
