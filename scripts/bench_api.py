@@ -167,12 +167,14 @@ def phase_in_process(url: str, state: Path, reqs: Sequence[Req], clients: int) -
         ctx.close()
 
 
-def _serve(url: str, state: Path, workers: int) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(url: str, state: Path, workers: int,
+           serve_args: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = dict(os.environ, VGPU_CTL_STATE_DIR=str(state))
     with open(state / f"serve-{port}.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([VGPUCTL, "--db", url, "serve", "--listen", f"127.0.0.1:{port}", "--workers",
-                                 str(workers), "--reconcile-interval", "0", "--log-level", "warning"], env=env,
+        proc = subprocess.Popen([VGPUCTL, "--db", url, "serve", *serve_args, "--listen", f"127.0.0.1:{port}",
+                                 "--workers", str(workers), "--reconcile-interval", "0", "--log-level", "warning"],
+                                env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -189,12 +191,14 @@ def _serve(url: str, state: Path, workers: int) -> tuple[subprocess.Popen[bytes]
     raise RuntimeError("vgpuctl serve did not answer /healthz within 60 s")
 
 
-def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, replicas: int) -> dict[str, Any]:
-    """`replicas` servers on one store, C client threads alternating between them."""
+def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, replicas: int,
+               serve_args: Sequence[str] = ()) -> dict[str, Any]:
+    """`replicas` servers on one store (`vgpuctl serve` with `serve_args` too), C client threads alternating
+    between them."""
     env = dict(os.environ, VGPU_CTL_STATE_DIR=str(state))
     token = subprocess.run([VGPUCTL, "--db", url, "token", "create", "bench", "--role", "admin"], env=env,
                            check=True, capture_output=True, text=True).stdout.strip()
-    servers = [_serve(url, state, clients) for _ in range(replicas)]
+    servers = [_serve(url, state, clients, serve_args) for _ in range(replicas)]
     sessions = [httpx.Client(base_url=servers[k % replicas][1], timeout=120,
                              headers={"Authorization": f"Bearer {token}"}) for k in range(clients)]
 
