@@ -28,21 +28,17 @@ import argparse
 import cProfile
 import json
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_api import VGPUCTL, _fan_out, _free_port, _vgpus
+import bench_api
+from bench_api import _fan_out, _vgpus
 from bench_placement import (
     FILL_TARGET,
     Req,
@@ -126,57 +122,11 @@ def phase_claims(url: str, state: Path, reqs: Sequence[Req], clients: int, alloc
         ctx.close()
 
 
-def _serve(url: str, state: Path, workers: int, allocator: bool) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    config = state / f"serve-{port}.toml"
-    config.write_text(f"[server]\nallocator = {'true' if allocator else 'false'}\n")
-    with open(state / f"serve-{port}.log", "wb") as log:
-        proc = subprocess.Popen([VGPUCTL, "--db", url, "serve", "--config", str(config), "--listen",
-                                 f"127.0.0.1:{port}", "--workers", str(workers), "--reconcile-interval", "0",
-                                 "--log-level", "warning"], env={"VGPU_CTL_STATE_DIR": str(state),
-                                                                 "PATH": "/usr/bin:/bin"},
-                                stdout=subprocess.DEVNULL, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"vgpuctl serve exited {proc.returncode}: "
-                               f"{(state / f'serve-{port}.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    raise RuntimeError("vgpuctl serve did not answer /healthz within 60 s")
-
-
 def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, allocator: bool) -> dict[str, Any]:
-    """One server, C client threads, each `POST /v1/vms?wait=60s`."""
-    token = subprocess.run([VGPUCTL, "--db", url, "token", "create", "bench", "--role", "admin"],
-                           env={"VGPU_CTL_STATE_DIR": str(state), "PATH": "/usr/bin:/bin"}, check=True,
-                           capture_output=True, text=True).stdout.strip()
-    proc, base = _serve(url, state, clients, allocator)
-    sessions = [httpx.Client(base_url=base, timeout=120, headers={"Authorization": f"Bearer {token}"})
-                for _ in range(clients)]
-
-    def one(k: int, req: Req) -> bool:
-        body = {"tenant": req.tenant, "name": f"vm-{req.index}", "vcpus": req.vcpus, "memory_mib": req.memory_mib,
-                "pool": req.pool, "vgpus": [{"profile": p, "count": n} for p, n in _vgpus(req)]}
-        r = sessions[k].post("/v1/vms", params={"wait": "60s"}, json=body)
-        if r.status_code == 201:
-            return True
-        if r.status_code == 409:
-            return False
-        raise RuntimeError(f"POST /v1/vms: {r.status_code} {r.text[:300]}")
-
-    try:
-        return _fan_out(reqs, clients, one)
-    finally:
-        for s in sessions:
-            s.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    """One server (with or without its allocator), C client threads, each `POST /v1/vms?wait=60s`."""
+    config = state / "serve.toml"
+    config.write_text(f"[server]\nallocator = {'true' if allocator else 'false'}\n")
+    return bench_api.phase_http(url, state, reqs, clients, 1, ["--config", str(config)])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
