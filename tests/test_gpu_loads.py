@@ -20,6 +20,7 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import gpu_loads
 from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.store.models import utcnow
+from vgpu_ctl.store.tables import GPU_LOAD
 
 DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
 _INFERENCE = select(POOL.c.id).where(POOL.c.name == "inference").scalar_subquery()
@@ -78,7 +79,7 @@ def test_bad_loads_are_refused_with_nothing_written(fleet: Controller) -> None:
             fleet.record_gpu_loads(loads)
         assert err.value.reasons[0]["field"] == field
     with fleet.engine.connect() as conn:
-        assert conn.execute(select(gpu_loads.GPU_LOAD)).all() == []
+        assert conn.execute(select(GPU_LOAD)).all() == []
     token = fleet.issue_token("acme")
     with Controller(fleet.engine.url.render_as_string(hide_password=False), token=token,
                     state_path=fleet.state_path) as tenant, pytest.raises(PermissionDenied):
@@ -158,7 +159,7 @@ def test_a_bad_interval_is_refused_with_nothing_written(fleet: Controller) -> No
         assert err.value.reasons[0]["field"] == "interval_s"
     assert sampler.calls == 0
     with fleet.engine.connect() as conn:
-        assert conn.execute(select(SAMPLE)).all() == [] and conn.execute(select(gpu_loads.GPU_LOAD)).all() == []
+        assert conn.execute(select(SAMPLE)).all() == [] and conn.execute(select(GPU_LOAD)).all() == []
 
 
 def test_the_leader_samples_on_its_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

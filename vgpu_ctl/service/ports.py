@@ -61,6 +61,19 @@ class FleetStore(Protocol):
         """Every pool, GPU and host."""
 
 
+class GpuLoadStore(Protocol):
+    """GPUs' measured loads (the latest sample of each)."""
+
+    def known_gpus(self, tx: Tx, gpu_ids: Collection[int]) -> set[int]:
+        """Which of `gpu_ids` are GPUs in the store."""
+
+    def put_loads(self, tx: Tx, loads: Mapping[int, float], at: datetime) -> None:
+        """Make these loads (GPU id -> 0..1), sampled at `at`, the GPUs' latest."""
+
+    def pool_loads(self, tx: Tx, pool_id: int, since: datetime) -> dict[int, float]:
+        """The loads sampled since `since` of the pool's GPUs, by GPU id."""
+
+
 class HostStore(Protocol):
     """Hosts: scheduling state and the VMs on them."""
 
@@ -342,6 +355,10 @@ class Store(Protocol):
         """The fleet."""
 
     @property
+    def gpu_loads(self) -> GpuLoadStore:
+        """GPUs' measured loads."""
+
+    @property
     def hosts(self) -> HostStore:
         """Hosts."""
 
@@ -377,6 +394,6 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "FleetStore", "HostStore", "IdempotencyStore", "InventoryStore", "LeaderLeaseStore",
-    "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
+    "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
+    "LeaderLeaseStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
 ]

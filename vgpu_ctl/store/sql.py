@@ -9,6 +9,7 @@ from typing import Final
 from vgpu_ctl.store import (
     events,
     fleet,
+    gpu_loads,
     hosts,
     idempotency,
     inventory,
@@ -28,6 +29,7 @@ class SqlStore:
     tokens: Final = tokens
     events: Final = events
     fleet: Final = fleet
+    gpu_loads: Final = gpu_loads
     hosts: Final = hosts
     idempotency: Final = idempotency
     inventory: Final = inventory

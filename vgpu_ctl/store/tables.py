@@ -10,6 +10,7 @@ from vgpu_ctl.store.models import (
     Device,
     Event,
     Gpu,
+    GpuLoad,
     Host,
     IdempotentRequest,
     Operation,
@@ -24,6 +25,7 @@ API_TOKEN: Table = ApiToken.__table__  # type: ignore[attr-defined]
 DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
 EVENT: Table = Event.__table__  # type: ignore[attr-defined]
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
+GPU_LOAD: Table = GpuLoad.__table__  # type: ignore[attr-defined]
 HOST: Table = Host.__table__  # type: ignore[attr-defined]
 IDEMPOTENT: Table = IdempotentRequest.__table__  # type: ignore[attr-defined]
 OPERATION: Table = Operation.__table__  # type: ignore[attr-defined]
