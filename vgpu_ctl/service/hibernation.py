@@ -14,9 +14,6 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table, select, update
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.priority import PreemptionMode
 from vgpu_ctl.core.vm_state import VmState
 from vgpu_ctl.errors import Conflict, NoCapacity, VgpuCtlError
@@ -24,12 +21,10 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.allocation import ClaimConflict
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.leases import Renewal, advance, drop, new_holder, take
-from vgpu_ctl.store.models import VmSched
+from vgpu_ctl.service.ports import STORE, Tx
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
-
-VMSCHED: Table = VmSched.__table__  # type: ignore[attr-defined]
 
 DEFAULT_MODES = (PreemptionMode.REQUEUE, PreemptionMode.CANCEL)
 """What a host supports when its inventory declares nothing for a profile. Hibernation only where declared: it
@@ -61,7 +56,7 @@ def supported_modes(declared: Mapping[str, Collection[str]] | None, profiles: Co
 
 
 def _host_step(ctl: Controller, vm_id: str, holder: str, step: Callable[[], None],
-               undo: Callable[[Connection], None]) -> None:
+               undo: Callable[[Tx], None]) -> None:
     """Run `step` on the VM's host while `holder`'s lease is renewed; if it fails, `undo` in a transaction and
     raise again."""
     try:
@@ -87,7 +82,7 @@ def hibernate(ctl: Controller, vm_id: str) -> None:
         host_id = vm.host_id
         alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
         _vm, host, _devs = _load(ctl, conn, vm_id)
-    def undo(conn: Connection) -> None:
+    def undo(conn: Tx) -> None:
         if advance(conn, vm_id, holder, (VmState.HIBERNATED,), VmState.RUNNING, keep_lease=False):
             alloc.release_host(conn, host_id, -vm.vcpus, -vm.memory_mib)  # it still runs: charged again
 
@@ -110,13 +105,14 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
         try:
             alloc.claim_host(conn, host_id, vm.vcpus, vm.memory_mib)
         except ClaimConflict:
-            host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == host_id)).scalar()
+            host_ref = STORE.vms.host_of(conn, host_id)
+            host_name = host_ref[0] if host_ref is not None else None
             raise NoCapacity(f"hibernated VM {vm.name!r} resumes only on its host {host_name}, which has no room "
                              f"for its {vm.vcpus} vCPUs and {vm.memory_mib} MiB of memory now (or is not active)",
                              reasons=[{"kind": "host", "host": host_name, "vcpus": vm.vcpus,
                                        "memory_mib": vm.memory_mib}]) from None
         _vm, host, _devs = _load(ctl, conn, vm_id)
-    def give_back(conn: Connection) -> None:
+    def give_back(conn: Tx) -> None:
         alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
         drop(conn, vm_id, holder)
 
@@ -127,8 +123,7 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
             raise Conflict(f"VM {vm.name!r} changed while it was being resumed", reasons=[{"vm": vm.name}])
         if h:
             now = time.time()
-            conn.execute(update(VMSCHED).where(VMSCHED.c.vm_id == vm_id).values(
-                preemptions=int(h.get("preemptions", 0)), protected_below=h.get("protected_below"),
-                protected_until=now + float(h.get("cooldown_s", 0.0))))
+            STORE.vm_sched.set_preemption_history(conn, vm_id, int(h.get("preemptions", 0)),
+                                                  h.get("protected_below"), now + float(h.get("cooldown_s", 0.0)))
         record(conn, ctl.principal.actor, "vm.resume", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
                params={"name": vm.name, "restored": True})

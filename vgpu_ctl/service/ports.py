@@ -339,6 +339,14 @@ class VmStore(Protocol):
         """A pool's name."""
 
 
+class VmSchedStore(Protocol):
+    """VMs' scheduling rows: priority, fair-share charge, preemption history."""
+
+    def set_preemption_history(self, tx: Tx, vm_id: str, preemptions: int, protected_below: int | None,
+                               protected_until: float) -> None:
+        """Set the VM's preemption count and the protection (below a priority, until epoch seconds) it has."""
+
+
 class Store(Protocol):
     """The store as the service uses it: one attribute per aggregate."""
 
@@ -390,10 +398,15 @@ class Store(Protocol):
     def vms(self) -> VmStore:
         """VMs."""
 
+    @property
+    def vm_sched(self) -> VmSchedStore:
+        """VMs' scheduling rows."""
+
 
 STORE: Store = SqlStore()
 
 __all__ = [
     "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
-    "LeaderLeaseStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx", "VmStore", "utcnow",
+    "LeaderLeaseStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx",
+    "VmSchedStore", "VmStore", "utcnow",
 ]

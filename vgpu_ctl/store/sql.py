@@ -18,6 +18,7 @@ from vgpu_ctl.store import (
     quotas,
     tenants,
     tokens,
+    vm_sched,
     vms,
 )
 
@@ -38,6 +39,7 @@ class SqlStore:
     quotas: Final = quotas
     tenants: Final = tenants
     vms: Final = vms
+    vm_sched: Final = vm_sched
 
 
 __all__ = ["SqlStore"]

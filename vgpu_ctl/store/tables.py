@@ -19,6 +19,7 @@ from vgpu_ctl.store.models import (
     ServerLease,
     Tenant,
     Vm,
+    VmSched,
 )
 
 API_TOKEN: Table = ApiToken.__table__  # type: ignore[attr-defined]
@@ -34,3 +35,4 @@ SCOPED: Table = ScopedQuota.__table__  # type: ignore[attr-defined]
 SERVER_LEASE: Table = ServerLease.__table__  # type: ignore[attr-defined]
 TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
 VM: Table = Vm.__table__  # type: ignore[attr-defined]
+VM_SCHED: Table = VmSched.__table__  # type: ignore[attr-defined]
