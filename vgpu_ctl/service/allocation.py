@@ -43,10 +43,11 @@ DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
 HOST_FIT: Table = HostFit.__table__  # type: ignore[attr-defined]
 
 PAGE = 16  # GPUs per single-GPU candidate page
-# Hosts per whole-host candidate page (each with all its GPUs in the pool). Measured on the openb replay and at
-# 10k GPUs: 4 hosts placed closer to the pure policy than 8 (default/vgpu-equal -0.07 against -0.15 points,
-# multigpu30 -0.09 against -0.14) and planned in half the time.
-HOST_PAGE = 4
+# Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
+# gap to the pure policy moves by about 0.1 point with the page's make-up, not steadily with its size (default
+# vgpu-equal/mig: 4 hosts -0.07/-0.32, 6 hosts -0.17/-0.23, 8 hosts -0.15/-0.13); 8 kept the most pairs within
+# 0.2 points. A single-GPU pack request plans over these hosts: 4 hosts cost about half the planning of 8.
+HOST_PAGE = 8
 
 
 class ClaimConflict(Exception):
