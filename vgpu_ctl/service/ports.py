@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from vgpu_ctl.store.events import EventRow
 from vgpu_ctl.store.fleet import FleetRows
-from vgpu_ctl.store.hosts import HostState
+from vgpu_ctl.store.hosts import HostRow, HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.inventory import Row
 from vgpu_ctl.store.leader_lease import LeaderLease
@@ -21,7 +21,7 @@ from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
-from vgpu_ctl.store.vms import DeviceRow, VmRow
+from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmRow
 
 
 class TokenStore(Protocol):
@@ -82,6 +82,9 @@ class HostStore(Protocol):
 
     def host_names(self, tx: Tx) -> list[str]:
         """Every host's name, sorted."""
+
+    def host_rows(self, tx: Tx) -> list[HostRow]:
+        """Every host, by name."""
 
     def set_host_state(self, tx: Tx, host_id: int, state: str) -> None:
         """Set a host's scheduling state."""
@@ -331,6 +334,15 @@ class VmStore(Protocol):
 
     def vm_devices(self, tx: Tx, vm_id: str) -> list[DeviceRow]:
         """A VM's devices, by GPU and start."""
+
+    def all_vms(self, tx: Tx) -> list[VmRow]:
+        """Every VM, in no particular order."""
+
+    def device_refs(self, tx: Tx) -> list[DeviceRef]:
+        """Every device a VM holds."""
+
+    def reclaim_devices(self, tx: Tx, vm_id: str) -> None:
+        """Mark every device of the VM claimed (to be made again on its host)."""
 
     def host_of(self, tx: Tx, host_id: int) -> tuple[str, str] | None:
         """A host's (name, driver)."""

@@ -11,15 +11,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select, update
-
 from vgpu_ctl.core.vm_state import BEFORE_DOMAIN, IN_FLIGHT, LIVE, VmState
 from vgpu_ctl.hosts.protocol import DeviceSpec
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.leases import is_held, new_holder, take
+from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.service.provision import domain_name, provision_vm, release_vm, undo
-from vgpu_ctl.service.quotas import VM
 from vgpu_ctl.service.requests import Finding as Finding  # their home, re-exported
 from vgpu_ctl.service.requests import ReconcileReport as ReconcileReport
 
@@ -37,16 +34,16 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
     report = ReconcileReport()
     moving = _moves(ctl, report, fix)
     with ctl.engine.connect() as conn:
-        hosts = conn.execute(select(alloc.HOST).order_by(alloc.HOST.c.name)).all()
-        vms = conn.execute(select(VM)).all()
-        devices = conn.execute(select(alloc.DEVICE.c.uuid, alloc.DEVICE.c.vm_id, alloc.DEVICE.c.backing)).all()
+        hosts = STORE.hosts.host_rows(conn)
+        vms = STORE.vms.all_vms(conn)
+        devices = STORE.vms.device_refs(conn)
     store_uuids = {d.uuid: d.vm_id for d in devices}  # every claimed device: none of them is an orphan
     uuids_of: dict[str, set[str]] = {}  # per VM, the devices a host must show (grouped once, not per VM)
     for dev in devices:
         if dev.backing != "pci":  # a passthrough GPU is not a device a host makes: it cannot go missing
             uuids_of.setdefault(dev.vm_id, set()).add(dev.uuid)
     vm_ids = {v.id for v in vms}
-    vms_on: dict[int, list[Any]] = {}  # by host: one pass over the VMs, not one per host
+    vms_on: dict[int | None, list[Any]] = {}  # by host: one pass over the VMs, not one per host
     for v in vms:
         vms_on.setdefault(v.host_id, []).append(v)
     for host in hosts:
@@ -194,7 +191,7 @@ def _check_vm(ctl: Controller, vm: Any, host: Any, domain_names: set[str], host_
         with ctl.tx() as conn:
             if take(conn, vm.id, holder, (VmState.DEFINED, *LIVE), to_state=VmState.PLACED, what="recreate") is None:
                 raise RuntimeError(f"VM {vm.name} is no longer {vm.state}")
-            conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.vm_id == vm.id).values(state="claimed"))
+            STORE.vms.reclaim_devices(conn, vm.id)
         provision_vm(ctl, vm.id, holder, start=vm.state != VmState.STOPPED)  # a stopped VM stays stopped
 
     return finding("lost-vm", f"VM {vm.name} ({vm.state}): {'; '.join(what)}", "recreate devices and domain",

@@ -38,3 +38,30 @@ def vms_on_host(tx: Tx, host_id: int, but_state: str) -> list[tuple[str, str]]:
     return [(str(r.tenant), str(r.name)) for r in tx.execute(
         select(VM.c.name, TENANT.c.name.label("tenant")).join(TENANT, TENANT.c.id == VM.c.tenant_id)
         .where(VM.c.host_id == host_id, VM.c.state != but_state))]
+
+
+class HostRow(NamedTuple):
+    """A host as stored."""
+
+    id: int
+    name: str
+    uri: str
+    driver: str
+    vgpu_backing: str
+    labels: dict[str, str]
+    vcpus: int
+    memory_mib: int
+    cpu_overcommit: float
+    memory_overcommit: float
+    used_vcpus: int
+    used_memory_mib: int
+    state: str
+    victim_modes: dict[str, list[str]] | None
+
+
+_HOST_COLUMNS = [HOST.c[name] for name in HostRow._fields]
+
+
+def host_rows(tx: Tx) -> list[HostRow]:
+    """Every host, by name."""
+    return [HostRow(*r) for r in tx.execute(select(*_HOST_COLUMNS).order_by(HOST.c.name))]

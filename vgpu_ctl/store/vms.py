@@ -57,6 +57,30 @@ class DeviceRow(NamedTuple):
     state: str
 
 
+class DeviceRef(NamedTuple):
+    """A claimed device's UUID, VM and backing."""
+
+    uuid: str
+    vm_id: str
+    backing: str
+
+
+def all_vms(tx: Tx) -> list[VmRow]:
+    """Every VM, in no particular order."""
+    return [VmRow(*r) for r in tx.execute(select(*_COLUMNS))]
+
+
+def device_refs(tx: Tx) -> list[DeviceRef]:
+    """Every device a VM holds."""
+    return [DeviceRef(str(r.uuid), str(r.vm_id), str(r.backing))
+            for r in tx.execute(select(DEVICE.c.uuid, DEVICE.c.vm_id, DEVICE.c.backing))]
+
+
+def reclaim_devices(tx: Tx, vm_id: str) -> None:
+    """Mark every device of the VM claimed (to be made again on its host)."""
+    tx.execute(DEVICE.update().where(DEVICE.c.vm_id == vm_id).values(state="claimed"))
+
+
 def vms_by(tx: Tx, *, vm_id: str | None = None, tenant: str | None = None, name: str | None = None,
            id_prefix: str | None = None, limit: int | None = None) -> list[VmRow]:
     """The VMs (with their tenant's name) that have this id, this name (in `tenant` when given), or an id
