@@ -21,6 +21,7 @@ from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
+from vgpu_ctl.store.utilization import SampledDevice, SampledGpu
 from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmRow
 
 
@@ -351,6 +352,16 @@ class VmStore(Protocol):
         """A pool's name."""
 
 
+class UtilizationStore(Protocol):
+    """What a utilization round joins its host samples with."""
+
+    def gpus_on_hosts(self, tx: Tx, host_names: Collection[str]) -> list[SampledGpu]:
+        """The GPUs of the named hosts."""
+
+    def devices_on_gpus(self, tx: Tx, gpu_ids: Collection[int]) -> list[SampledDevice]:
+        """The devices on these GPUs, with their VM and its tenant."""
+
+
 class VmSchedStore(Protocol):
     """VMs' scheduling rows: priority, fair-share charge, preemption history."""
 
@@ -407,6 +418,10 @@ class Store(Protocol):
         """Tenants."""
 
     @property
+    def utilization(self) -> UtilizationStore:
+        """Utilization rounds' reads."""
+
+    @property
     def vms(self) -> VmStore:
         """VMs."""
 
@@ -420,5 +435,5 @@ STORE: Store = SqlStore()
 __all__ = [
     "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
     "LeaderLeaseStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx",
-    "VmSchedStore", "VmStore", "utcnow",
+    "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
 ]

@@ -14,14 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
-
 from vgpu_ctl.core.placement_types import Policy
 from vgpu_ctl.core.policies.spread_load import make_with_load
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.utilization import HostSample, sample_side
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
-from vgpu_ctl.service.inventory_apply import POOL, VM
+from vgpu_ctl.service.ports import STORE
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -146,8 +143,7 @@ def sample_hosts(ctl: Controller, sampler: Sampler | None = None, hosts: Iterabl
     read = sampler or default_sampler(ctl)
     wanted = None if hosts is None else set(hosts)
     with ctl.engine.connect() as conn:
-        rows = [r for r in conn.execute(select(HOST).order_by(HOST.c.name)).all()
-                if wanted is None or r.name in wanted]
+        rows = [r for r in STORE.hosts.host_rows(conn) if wanted is None or r.name in wanted]
 
     def one(row: Any) -> HostSample | str:
         """The host's sample, or why there is none."""
@@ -185,16 +181,8 @@ def fleet_usage(ctl: Controller, samples: Mapping[str, HostSample], now: float |
     if not samples:
         return out
     with ctl.engine.connect() as conn:
-        gpu_rows = conn.execute(
-            select(GPU.c.id, GPU.c.pci_address, GPU.c.model, HOST.c.name.label("host"), POOL.c.name.label("pool"))
-            .join(HOST, HOST.c.id == GPU.c.host_id).outerjoin(POOL, POOL.c.id == GPU.c.pool_id)
-            .where(HOST.c.name.in_(list(samples)))).all()
-        dev_rows = conn.execute(
-            select(DEVICE.c.id, DEVICE.c.uuid, DEVICE.c.profile, DEVICE.c.gpu_id, DEVICE.c.handle, DEVICE.c.state,
-                   DEVICE.c.framebuffer_mib, DEVICE.c.backing, VM.c.id.label("vm_id"), VM.c.name.label("vm"),
-                   VM.c.state.label("vm_state"), VM.c.domain_uuid, TENANT.c.name.label("tenant"))
-            .join(VM, VM.c.id == DEVICE.c.vm_id).join(TENANT, TENANT.c.id == VM.c.tenant_id)
-            .where(DEVICE.c.gpu_id.in_([g.id for g in gpu_rows]))).all()
+        gpu_rows = STORE.utilization.gpus_on_hosts(conn, list(samples))
+        dev_rows = STORE.utilization.devices_on_gpus(conn, [g.id for g in gpu_rows])
     gpu_at = {(g.host, g.pci_address.lower()): g for g in gpu_rows}
     gpu_by_id = {g.id: g for g in gpu_rows}
     by_uuid = {str(d.uuid).lower(): d for d in dev_rows if d.uuid}

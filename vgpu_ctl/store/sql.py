@@ -18,6 +18,7 @@ from vgpu_ctl.store import (
     quotas,
     tenants,
     tokens,
+    utilization,
     vm_sched,
     vms,
 )
@@ -38,6 +39,7 @@ class SqlStore:
     operations: Final = operations
     quotas: Final = quotas
     tenants: Final = tenants
+    utilization: Final = utilization
     vms: Final = vms
     vm_sched: Final = vm_sched
 
