@@ -16,7 +16,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import BigInteger, Integer, Table, and_, bindparam, exists, func, literal, null, or_, select, update
+from sqlalchemy import BigInteger, Integer, and_, bindparam, exists, func, literal, null, or_, select, update
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
@@ -32,15 +32,16 @@ from vgpu_ctl.core.geometry import (
 )
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
-from vgpu_ctl.store.models import Device, Gpu, Host, HostFit, ScopedQuota, Tenant, Vm
 from vgpu_ctl.store.prepared import Prepared, insert_all
 
-GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
-HOST: Table = Host.__table__  # type: ignore[attr-defined]
-TENANT: Table = Tenant.__table__  # type: ignore[attr-defined]
-SCOPED: Table = ScopedQuota.__table__  # type: ignore[attr-defined]
-DEVICE: Table = Device.__table__  # type: ignore[attr-defined]
-HOST_FIT: Table = HostFit.__table__  # type: ignore[attr-defined]
+# Re-exported for the modules that still take their table handles from here (until their SQL moves too).
+from vgpu_ctl.store.tables import DEVICE as DEVICE
+from vgpu_ctl.store.tables import GPU as GPU
+from vgpu_ctl.store.tables import HOST as HOST
+from vgpu_ctl.store.tables import HOST_FIT as HOST_FIT
+from vgpu_ctl.store.tables import SCOPED as SCOPED
+from vgpu_ctl.store.tables import TENANT as TENANT
+from vgpu_ctl.store.tables import VM as _VM
 
 PAGE = 16  # GPUs per single-GPU candidate page
 # Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
@@ -532,9 +533,6 @@ def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) ->
 
 GUARANTEED = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
 """The resources a quota may guarantee part of (globally and per pool): the base ones, not profiles."""
-
-_VM: Table = Vm.__table__  # type: ignore[attr-defined]
-
 
 _SCOPED_ROWS = Prepared(select(SCOPED.c.scope, SCOPED.c.resource)
                         .where(SCOPED.c.tenant_id == bindparam("t_id", type_=Integer)))

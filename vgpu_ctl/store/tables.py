@@ -12,6 +12,7 @@ from vgpu_ctl.store.models import (
     Gpu,
     GpuLoad,
     Host,
+    HostFit,
     IdempotentRequest,
     Operation,
     Pool,
@@ -28,6 +29,7 @@ EVENT: Table = Event.__table__  # type: ignore[attr-defined]
 GPU: Table = Gpu.__table__  # type: ignore[attr-defined]
 GPU_LOAD: Table = GpuLoad.__table__  # type: ignore[attr-defined]
 HOST: Table = Host.__table__  # type: ignore[attr-defined]
+HOST_FIT: Table = HostFit.__table__  # type: ignore[attr-defined]
 IDEMPOTENT: Table = IdempotentRequest.__table__  # type: ignore[attr-defined]
 OPERATION: Table = Operation.__table__  # type: ignore[attr-defined]
 POOL: Table = Pool.__table__  # type: ignore[attr-defined]
