@@ -203,13 +203,18 @@ def _order(order: CandidateOrder) -> list[Any]:
     return [GPU.c.free_units, GPU.c.id]
 
 
+def order_rank(order: CandidateOrder, free_units: int, gpu_id: int) -> tuple[int, ...]:
+    """A GPU's place in a policy's candidate order (`_order` in Python): what it is sorted by."""
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return (-free_units, gpu_id)
+    if order is CandidateOrder.HOST_ORDER:
+        return (gpu_id,)
+    return (free_units, gpu_id)
+
+
 def _order_key(order: CandidateOrder) -> Callable[[CandidateRow], tuple[int, ...]]:
     """`_order` in Python, on candidate rows."""
-    if order is CandidateOrder.EMPTIEST_FIRST:
-        return lambda r: (-r.free_units, r.id)
-    if order is CandidateOrder.HOST_ORDER:
-        return lambda r: (r.id,)
-    return lambda r: (r.free_units, r.id)
+    return lambda r: order_rank(order, r.free_units, r.id)
 
 
 def _host_order(order: CandidateOrder, free: Any, host_id: Any) -> list[Any]:

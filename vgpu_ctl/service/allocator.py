@@ -33,6 +33,7 @@ from vgpu_ctl.core.geometry import Geometry, Occupancy, fit_mask, profile_bit
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest, plan
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import claim as claims
+from vgpu_ctl.service.fit_masks import lacked_bits
 from vgpu_ctl.service.requests import VmInfo, VmRequest
 
 if TYPE_CHECKING:
@@ -45,19 +46,12 @@ RETRIES = 8  # lost races planned again in memory before the request goes the st
 
 def _key(order: CandidateOrder) -> Callable[[GpuView], tuple[int, ...]]:
     """The candidate order of a pool's policy, on GPU views (as the store's candidate index orders rows)."""
-    if order is CandidateOrder.EMPTIEST_FIRST:
-        return lambda g: (-g.occupancy.free_units, g.gpu_id)
-    if order is CandidateOrder.HOST_ORDER:
-        return lambda g: (g.gpu_id,)
-    return lambda g: (g.occupancy.free_units, g.gpu_id)
+    return lambda g: alloc.order_rank(order, g.occupancy.free_units, g.gpu_id)
 
 
 def _bits(occ: Occupancy, lacks: frozenset[str]) -> int:
     """The GPU's fit mask less the profiles its host lacks type ids for (as the store keeps `gpu.fits`)."""
-    mask = fit_mask(occ)
-    for p in lacks:
-        mask &= ~profile_bit(occ.geometry, p)
-    return mask
+    return fit_mask(occ) & ~lacked_bits(occ.geometry, lacks) if lacks else fit_mask(occ)
 
 
 @dataclass

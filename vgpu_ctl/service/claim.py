@@ -183,10 +183,9 @@ def read_ask(ctl: Controller, conn: Connection, req: VmRequest, offers_too: bool
     Without `offers_too` a named pool is not asked whether it offers the profiles (a plan there proves it; the
     claim asks only when none is found)."""
     t = ctl._tenant_id(conn, req.tenant)
-    if req.idempotency_key:
-        row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
-        if row is not None:
-            return AlreadyMade(str(row[0]))
+    made = _by_key(conn, t, req.idempotency_key) if req.idempotency_key else None
+    if made is not None:
+        return made
     pools = [pool_row(conn, req.pool)] if req.pool else all_pools(conn)
     pools = check_profiles(conn, ctl.catalog, req, pools, offers_too or not req.pool)
     profiles = req.profiles()
@@ -235,10 +234,16 @@ def _contended(exc: OperationalError) -> bool:
 
 def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
     """The tenant's VM made with the request's idempotency key, if there is one."""
+    assert req.idempotency_key is not None
     with ctl.engine.connect() as conn:
-        t = ctl._tenant_id(conn, req.tenant)
-        row = _VM_BY_KEY.run(conn, {"t_id": t, "key": req.idempotency_key}).fetchone()
+        made = _by_key(conn, ctl._tenant_id(conn, req.tenant), req.idempotency_key)
         end_read(conn)
+    return made
+
+
+def _by_key(conn: Connection, tenant_id: int, key: str) -> AlreadyMade | None:
+    """The tenant's VM made with idempotency key `key`, read on `conn`, if there is one."""
+    row = _VM_BY_KEY.run(conn, {"t_id": tenant_id, "key": key}).fetchone()
     return None if row is None else AlreadyMade(str(row[0]))
 
 

@@ -20,7 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 
 from vgpu_ctl.catalog import Catalog
-from vgpu_ctl.core.geometry import FIT_BITS, fit_mask, geometry_for, profile_bit
+from vgpu_ctl.core.geometry import FIT_BITS, Geometry, fit_mask, geometry_for, profile_bit
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.service.allocation import GPU, HOST_FIT, occupancy_of
 from vgpu_ctl.store.models import FitBit, Meta
@@ -72,7 +72,11 @@ def lacks_bits(catalog: Catalog, model: str, mode: str, profiles: Iterable[str])
     """The fit-mask bits of `profiles` on a GPU of this model and mode (`gpu.lacks` for the profiles its host
     has no type id for; bits depend on the catalog, so they are recomputed with the masks). A bit another
     profile of the geometry shares (past FIT_BITS profiles) is left in: a mask only ever over-approximates."""
-    geom = geometry_for(catalog, model, mode)
+    return lacked_bits(geometry_for(catalog, model, mode), profiles)
+
+
+def lacked_bits(geom: Geometry, profiles: Iterable[str]) -> int:
+    """`lacks_bits` for a geometry at hand (the in-memory allocator's GPU views hold theirs)."""
     lacked = set(profiles)
     bits = others = 0
     for name in geom.shapes:
