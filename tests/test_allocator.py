@@ -41,8 +41,9 @@ def usage(ctl: Controller, tenant: str = "acme") -> dict[tuple[str, str], int]:
     return {(r["scope"], r["resource"]): r["used"] for r in ctl.tenant_usage(tenant)}
 
 
-def storm(ctls: list[Controller], profile: str, n: int, **kw: Any) -> dict[str, list[Any]]:
-    """`n` requests at once from a thread each, spread over the controllers; what each got, by kind."""
+def storm(ctls: list[Controller], profile: str, n: int, prefix: str = "s", **kw: Any) -> dict[str, list[Any]]:
+    """`n` requests at once from a thread each, spread over the controllers, for VMs named `prefix`0, ...;
+    what each got, by kind."""
     out: dict[str, list[Any]] = {"placed": [], "refused": [], "other": []}
     lock = threading.Lock()
     start = threading.Barrier(n)
@@ -50,7 +51,7 @@ def storm(ctls: list[Controller], profile: str, n: int, **kw: Any) -> dict[str, 
     def one(i: int) -> None:
         start.wait()
         try:
-            got: Any = req(ctls[i % len(ctls)], f"s{i}", profile, **kw)
+            got: Any = req(ctls[i % len(ctls)], f"{prefix}{i}", profile, **kw)
             kind = "placed"
         except (NoCapacity, QuotaExceeded) as exc:
             got, kind = exc, "refused"
@@ -147,7 +148,7 @@ def test_two_replicas_on_postgresql_never_double_claim(two_replicas: tuple[Contr
     assert got["other"] == [] and len(got["placed"]) == 8 and len(got["refused"]) == 6
     assert positions(got["placed"]) == [("kvm-a100-01/0000:81:00.0", s) for s in range(0, 80, 10)]
     one.set_quota("acme", {"vms": 11})
-    got = storm([one, two], "1g.10gb", 8)
+    got = storm([one, two], "1g.10gb", 8, prefix="t")  # names the first storm may have placed would conflict
     assert got["other"] == [] and len(got["placed"]) == 3
     assert usage(one)[("*", "vms")] == 11 and len(one.list_vms("acme")) == 11
     assert one.ctx.allocator is not None and two.ctx.allocator is not None
