@@ -80,6 +80,7 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
     ("[server]\ndrain_timeout_s = true\n", "drain_timeout_s"),
     ("[server]\nrecovery_interval_s = 0.01\n", "recovery_interval_s"),
     ("[server]\nmetrics_access = \"everyone\"\n", "metrics_access"),
+    ("[server]\nallocator = \"yes\"\n", "allocator"),
     ("[server]\ntls_cert = \"/c.pem\"\n", "tls_key"),
     ("[server]\nstore = 1\n", "store"),
     ("[server]\nstore = \"\"\n", "store"),
