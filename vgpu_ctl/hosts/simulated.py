@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -32,6 +33,7 @@ _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0
 
 State = dict[str, dict[str, dict[str, Any]]]
 HOLD_ENV = "VGPU_CTL_SIM_HOLD"
+_TOKEN_BYTES = 16  # the lock file's write token (see SimulatedHost._state)
 
 
 def _hold(step: str) -> None:
@@ -72,6 +74,7 @@ class SimulatedHost:
         self.name = name
         self.state_dir = state_dir
         self.path = state_dir / f"{name}.json"
+        self._cached: tuple[bytes, State] | None = None
         state_dir.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
@@ -80,21 +83,41 @@ class SimulatedHost:
         flushed to disk first when `durable` is. Only what a real host keeps across a reboot is durable: a
         defined domain and its managed save image. Devices and whether a domain runs are not (a reboot loses
         them on a real host too, and reconcile restores them), so provisioning a VM costs one fsync, its
-        domain's definition."""
-        with open(self.state_dir / f"{self.name}.lock", "a") as lock:
+        domain's definition. Each write also leaves a new random token in the lock file (before the rename,
+        so a crash between the two only makes others read the file again); the file is parsed again only
+        when the token is not the one this instance last read or wrote."""
+        lock = os.open(self.state_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
-            state: State = {"devices": {}, "domains": {}}
-            if self.path.exists():
-                state = json.loads(self.path.read_text())
+            token = os.pread(lock, _TOKEN_BYTES, 0)
+            state = self._read(token)
+            if not write:
+                yield state
+                return
+            self._cached = None  # a step that fails half-way leaves its changes only in this dict
             yield state
-            if write:
-                fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
-                with os.fdopen(fd, "w") as f:
-                    json.dump(state, f, indent=1, sort_keys=True)
-                    if durable:
-                        f.flush()
-                        os.fsync(f.fileno())
-                os.replace(tmp, self.path)
+            fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(state, sort_keys=True))
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            token = secrets.token_bytes(_TOKEN_BYTES)
+            os.pwrite(lock, token, 0)
+            os.replace(tmp, self.path)
+            self._cached = (token, state)
+        finally:
+            os.close(lock)
+
+    def _read(self, token: bytes) -> State:
+        """The state as the file holds it now (under the caller's lock, the lock file holding `token`)."""
+        if self._cached is not None and self._cached[0] == token and len(token) == _TOKEN_BYTES:
+            return self._cached[1]
+        state: State = {"devices": {}, "domains": {}}
+        if self.path.exists():
+            state = json.loads(self.path.read_text())
+        self._cached = (token, state)
+        return state
 
     def create_device(self, spec: DeviceSpec) -> DeviceHandle:
         """Record the device (idempotent: an existing one with this uuid is returned)."""
