@@ -146,12 +146,13 @@ def test_a_round_is_kept_whole_and_another_replica_reads_it(fleet: Controller) -
     assert 0 <= age.value < 30
     assert sample_round(fleet, sampler, interval_s=60)["hosts"] == 1  # replaced, not added
     with fleet.engine.connect() as conn:
-        from vgpu_ctl.service.utilization_samples import SAMPLE
+        from vgpu_ctl.store.utilization import SAMPLE
         assert len(conn.execute(select(SAMPLE)).all()) == 1
 
 
 def test_a_bad_interval_is_refused_with_nothing_written(fleet: Controller) -> None:
-    from vgpu_ctl.service.utilization_samples import SAMPLE, sample_round
+    from vgpu_ctl.service.utilization_samples import sample_round
+    from vgpu_ctl.store.utilization import SAMPLE
     sampler = _one_vm(fleet)
     for bad in (0, -1.0, float("inf"), True):
         with pytest.raises(InvalidInput, match="interval_s") as err:

@@ -20,7 +20,8 @@ from tests.test_rebalance_apply import on_host, seed_two_hosts, usage
 from vgpu_ctl import Controller
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.provision import domain_name
-from vgpu_ctl.service.rebalance import CRASH_ENV, MOVE
+from vgpu_ctl.service.rebalance import CRASH_ENV
+from vgpu_ctl.store.moves import MOVE
 
 VGPUCTL = str(Path(sys.executable).with_name("vgpuctl"))
 BEFORE_DONE = ("stopped", "claimed", "created", "defined", "started")  # rolled back

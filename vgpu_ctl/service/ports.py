@@ -15,13 +15,14 @@ from vgpu_ctl.store.hosts import HostRow, HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.inventory import Row
 from vgpu_ctl.store.leader_lease import LeaderLease
+from vgpu_ctl.store.moves import HeldDevice, MoveEvent, MoveRow, PendingMove, PlacedDevice, TargetGpu
 from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
 from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
-from vgpu_ctl.store.utilization import SampledDevice, SampledGpu
+from vgpu_ctl.store.utilization import HostSample, SampledDevice, SampledGpu, SampleRow
 from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmRow
 
 
@@ -200,6 +201,48 @@ class LeaderLeaseStore(Protocol):
         """The leader's lease, run out or not."""
 
 
+class MoveStore(Protocol):
+    """Rebalance moves: the row of each under way, its steps, the audit of those done, and what a move reads."""
+
+    def placed_devices(self, tx: Tx) -> list[PlacedDevice]:
+        """Every device a VM holds, where it sits."""
+
+    def held_devices(self, tx: Tx, vm_id: str) -> list[HeldDevice]:
+        """A VM's devices with their GPUs' PCI address, model and mode, by id."""
+
+    def host_row(self, tx: Tx, host_id: int) -> HostRow:
+        """A host a VM or a move refers to."""
+
+    def host_named(self, tx: Tx, name: str) -> HostRow | None:
+        """A host by name."""
+
+    def host_gpus(self, tx: Tx, host_id: int) -> list[TargetGpu]:
+        """A host's GPUs."""
+
+    def set_device_made(self, tx: Tx, device_id: str, handle: dict[str, Any]) -> None:
+        """A device exists on its host now, as `handle` says."""
+
+    def last_move(self, tx: Tx, vm_id: str) -> MoveEvent | None:
+        """A VM's latest `vm.move` that succeeded."""
+
+    def add_move(self, tx: Tx, vm_id: str, from_host_id: int, old_devices: Sequence[str], was_running: bool,
+                 params: dict[str, Any]) -> None:
+        """Record a move starting from the VM's host and devices."""
+
+    def set_move_step(self, tx: Tx, vm_id: str, step: str, *, to_host_id: int | None = None,
+                      new_devices: Sequence[str] | None = None, domain_uuid: str | None = None) -> None:
+        """Record the step a move reached (with its new host and devices, or its new domain)."""
+
+    def end_move(self, tx: Tx, vm_id: str, holder: str, values: dict[str, Any]) -> None:
+        """Set `values` on the VM and release `holder`'s lease on it; delete the move's row."""
+
+    def move_row(self, tx: Tx, vm_id: str) -> MoveRow | None:
+        """A VM's move under way."""
+
+    def pending_moves(self, tx: Tx) -> list[PendingMove]:
+        """Every move under way or interrupted, oldest first."""
+
+
 class OperationStore(Protocol):
     """Operations and their leases."""
 
@@ -353,13 +396,25 @@ class VmStore(Protocol):
 
 
 class UtilizationStore(Protocol):
-    """What a utilization round joins its host samples with."""
+    """What a utilization round joins its host samples with, and each GPU host's latest sample."""
 
     def gpus_on_hosts(self, tx: Tx, host_names: Collection[str]) -> list[SampledGpu]:
         """The GPUs of the named hosts."""
 
     def devices_on_gpus(self, tx: Tx, gpu_ids: Collection[int]) -> list[SampledDevice]:
         """The devices on these GPUs, with their VM and its tenant."""
+
+    def host_ids(self, tx: Tx, host_names: Collection[str]) -> dict[str, int]:
+        """The ids of the named hosts, by name."""
+
+    def samples_of(self, tx: Tx, host_ids: Collection[int]) -> dict[int, SampleRow]:
+        """The kept samples of these hosts, by host id."""
+
+    def put_samples(self, tx: Tx, rows: Sequence[SampleRow]) -> None:
+        """Make these rows their hosts' kept samples."""
+
+    def host_samples(self, tx: Tx, host_names: Collection[str] | None) -> list[HostSample]:
+        """The kept samples of the named hosts (None: every host), by host name."""
 
 
 class VmSchedStore(Protocol):
@@ -406,6 +461,10 @@ class Store(Protocol):
         """The leader's lease."""
 
     @property
+    def moves(self) -> MoveStore:
+        """Rebalance moves."""
+
+    @property
     def operations(self) -> OperationStore:
         """Operations."""
 
@@ -434,6 +493,6 @@ STORE: Store = SqlStore()
 
 __all__ = [
     "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
-    "LeaderLeaseStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx",
+    "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx",
     "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
 ]

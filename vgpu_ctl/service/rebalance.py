@@ -9,10 +9,8 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, select, update
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.backings import backing_for
+from vgpu_ctl.core.geometry import Occupancy
 from vgpu_ctl.core.placement import DevicePlacement, PlacementPlan
 from vgpu_ctl.core.vm_state import HOLDS_CLAIM, LIVE, VmState
 from vgpu_ctl.errors import Conflict, HostError, InvalidInput, PermissionDenied, VgpuCtlError
@@ -21,17 +19,16 @@ from vgpu_ctl.planning.rebalance import Goal, Move, PlanDevice, PlanVm, Rebalanc
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.fleet_snapshot import fleet_snapshot
-from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.service.leases import Renewal, is_held, new_holder, take
-from vgpu_ctl.service.quotas import VM
-from vgpu_ctl.store.models import VmMove, utcnow
-from vgpu_ctl.store.tables import EVENT
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.hosts import HostRow
+from vgpu_ctl.store.moves import HeldDevice, PendingMove, TargetGpu
+from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.planning.demand import Demand
     from vgpu_ctl.service.controller import Controller
 
-MOVE = VmMove.__table__  # type: ignore[attr-defined]
 CRASH_ENV = "VGPU_CTL_FAULT_MOVE"  # tests only: a move point (stopped, claimed, ...) where the process kills itself
 
 
@@ -44,24 +41,23 @@ def store_vms(ctl: Controller) -> list[PlanVm]:
     """Every VM holding devices, with where its vGPUs are; movable when running or stopped and no operation
     holds its lease. Reads only."""
     with ctl.engine.connect() as conn:
-        pools = {r.id: r.name for r in conn.execute(select(POOL.c.id, POOL.c.name))}
-        tenants = {r.id: r.name for r in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name))}
-        hosts = {r.id: r.name for r in conn.execute(select(alloc.HOST.c.id, alloc.HOST.c.name))}
+        pools = {i: n for n, i in STORE.inventory.pool_ids(conn).items()}
+        tenants = {t.id: t.name for t in STORE.tenants.tenant_rows(conn)}
+        hosts = {h.id: h.name for h in STORE.hosts.host_rows(conn)}
         devs: dict[str, list[PlanDevice]] = {}
-        for d in conn.execute(select(alloc.DEVICE.c.vm_id, alloc.DEVICE.c.profile, alloc.DEVICE.c.start,
-                                     alloc.DEVICE.c.size, alloc.GPU.c.pci_address)
-                              .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)):
+        for d in STORE.moves.placed_devices(conn):
             devs.setdefault(d.vm_id, []).append(PlanDevice(d.pci_address, d.profile, d.start, d.size))
-        out = []
-        for v in conn.execute(select(VM).where(VM.c.state.in_([str(s) for s in HOLDS_CLAIM]))
-                              .order_by(VM.c.id)):
-            if v.host_id is None or v.id not in devs:
-                continue
-            spec = v.spec if isinstance(v.spec, dict) else {}
-            out.append(PlanVm(v.id, v.name, tenants.get(v.tenant_id, "?"), hosts[v.host_id], pools.get(v.pool_id),
-                              float(v.vcpus), float(v.memory_mib), tuple(sorted(devs[v.id])),
-                              dict(spec.get("labels") or {}), v.anti_affinity,
-                              v.state in LIVE and v.lease_holder is None))
+        vms = sorted((v for v in STORE.vms.all_vms(conn) if v.state in HOLDS_CLAIM), key=lambda v: v.id)
+    out = []
+    for v in vms:
+        if v.host_id is None or v.id not in devs:
+            continue
+        spec = v.spec if isinstance(v.spec, dict) else {}
+        out.append(PlanVm(v.id, v.name, tenants.get(v.tenant_id, "?"), hosts[v.host_id],
+                          None if v.pool_id is None else pools.get(v.pool_id),
+                          float(v.vcpus), float(v.memory_mib), tuple(sorted(devs[v.id])),
+                          dict(spec.get("labels") or {}), v.anti_affinity,
+                          v.state in LIVE and v.lease_holder is None))
     return out
 
 
@@ -141,9 +137,7 @@ def undo_move(ctl: Controller, vm_ref: str) -> dict[str, Any]:
     _admin(ctl, "rebalance --undo")
     vm = ctl.get_vm(vm_ref)
     with ctl.engine.connect() as conn:
-        ev = conn.execute(select(EVENT.c.id, EVENT.c.params).where(
-            EVENT.c.action == "vm.move", EVENT.c.target == f"vm:{vm.id}", EVENT.c.result == "ok")
-            .order_by(EVENT.c.id.desc()).limit(1)).first()
+        ev = STORE.moves.last_move(conn, vm.id)
     if ev is None:
         raise InvalidInput(f"field vm: VM {vm.tenant}/{vm.name} was never moved by rebalance; nothing to undo",
                            reasons=[{"field": "vm", "value": vm_ref}])
@@ -157,46 +151,39 @@ def undo_move(ctl: Controller, vm_ref: str) -> dict[str, Any]:
     (now_host, now_devs), (back_host, back_devs) = side("to"), side("from")
     back = Move(vm.id, vm.name, vm.tenant, now_host, now_devs, back_host, back_devs, "")
     with ctl.engine.connect() as conn:  # taken since: refused before the VM is stopped
-        pool_id = conn.execute(select(VM.c.pool_id).where(VM.c.id == vm.id)).scalar()
-        _check_to(ctl, conn, pool_id, back)
+        row = STORE.vms.vm_row(conn, vm.id)
+        _check_to(ctl, conn, None if row is None else row.pool_id, back)
     move_vm(ctl, back, undoes=ev.id)
     return {"vm": vm.id, "name": vm.name, "tenant": vm.tenant, "undoes": ev.id,
             "from": _words(now_host, now_devs), "to": _words(back_host, back_devs)}
 
 
-def _devices(conn: Connection, vm_id: str) -> list[Any]:
-    return list(conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model,
-                                    alloc.GPU.c.mode.label("gpu_mode"))
-                             .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
-                             .where(alloc.DEVICE.c.vm_id == vm_id).order_by(alloc.DEVICE.c.id)).all())
-
-
-def _check_from(vm: Any, host: Any, devs: Sequence[Any], m: Move) -> None:
+def _check_from(vm: VmRow, host: HostRow, devs: Sequence[HeldDevice], m: Move) -> None:
     now = tuple(sorted(PlanDevice(d.pci_address, d.profile, d.start, d.size) for d in devs))
     if vm.state not in LIVE or host.name != m.from_host or now != tuple(sorted(m.from_devices)):
         raise Conflict(f"VM {m.tenant}/{m.name} changed since the plan was made (it is {vm.state} on {host.name}); "
                        "plan again", reasons=[{"vm": m.vm, "state": vm.state, "host": host.name}])
 
 
-def _check_to(ctl: Controller, conn: Connection, pool_id: int | None,
-              m: Move) -> tuple[Any, dict[int, Any], dict[int, Any], list[DevicePlacement]]:
+def _check_to(ctl: Controller, conn: Tx, pool_id: int | None,
+              m: Move) -> tuple[HostRow, dict[int, TargetGpu], dict[int, Occupancy], list[DevicePlacement]]:
     """Whether the move's new positions fit now, read in `conn`: the new host, its GPU rows and occupancies with
     the positions placed, by GPU id, and the placements. Conflict when the host is gone, a GPU is not in the
     VM's pool (`pool_id`), or a position is taken or not allowed there."""
-    new_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == m.to_host)).first()
+    new_host = STORE.moves.host_named(conn, m.to_host)
     if new_host is None:
         raise Conflict(f"host {m.to_host} is gone; plan again", reasons=[{"host": m.to_host}])
-    gpus = {g.pci_address: g for g in conn.execute(select(alloc.GPU).where(alloc.GPU.c.host_id == new_host.id))}
+    gpus = {g.pci_address: g for g in STORE.moves.host_gpus(conn, new_host.id)}
     placed: list[DevicePlacement] = []
-    occs: dict[int, Any] = {}
-    rows: dict[int, Any] = {}
+    occs: dict[int, Occupancy] = {}
+    rows: dict[int, TargetGpu] = {}
     for d in m.to_devices:
         g = gpus.get(d.pci)
         if g is None or g.pool_id != pool_id:
             raise Conflict(f"GPU {m.to_host}/{d.pci} is not in the VM's pool; plan again",
                            reasons=[{"gpu": f"{m.to_host}/{d.pci}"}])
         rows[g.id] = g
-        occ = occs.get(g.id) or alloc.occupancy_of(ctl.catalog, g._mapping)
+        occ = occs.get(g.id) or alloc.occupancy_of(ctl.catalog, g._asdict())
         why = occ.check(d.profile, d.start)
         if why is not None:
             raise Conflict(f"{d.profile} at {d.start} on {m.to_host}/{d.pci} no longer fits ({why}); plan again",
@@ -206,7 +193,7 @@ def _check_to(ctl: Controller, conn: Connection, pool_id: int | None,
     return new_host, rows, occs, placed
 
 
-def _claim_new(ctl: Controller, conn: Connection, vm: Any, old_host: Any, m: Move) -> tuple[Any, list[str]]:
+def _claim_new(ctl: Controller, conn: Tx, vm: VmRow, old_host: HostRow, m: Move) -> tuple[HostRow, list[str]]:
     """Claim the move's new positions for the VM beside its old ones (inside the caller's transaction): the
     new host's vCPUs and memory when it is another host, each GPU's positions by compare-and-set, and device
     rows. Quota is not charged: the VM's charge moves with it. Conflict when a position is taken or not allowed
@@ -233,11 +220,6 @@ def _crash_point(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _step(conn: Connection, vm_id: str, step: str, **values: Any) -> None:
-    """Record that the VM's move reached `step` (inside the transaction of that step)."""
-    conn.execute(update(MOVE).where(MOVE.c.vm_id == vm_id).values(step=step, updated_at=utcnow(), **values))
-
-
 def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
     """Move one VM as the plan says, under its lease: stop it (gracefully, then forced after the grace period),
     claim the new positions beside the old ones, create its devices and define its domain there, start it (when
@@ -255,21 +237,20 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
         vm = take(conn, m.vm, holder, LIVE, what="move")
         if vm is None:
             raise Conflict(f"VM {m.tenant}/{m.name} is gone or busy; plan again", reasons=[{"vm": m.vm}])
-        old_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).one()
-        old_devs = _devices(conn, vm.id)
+        assert vm.host_id is not None  # a running or stopped VM holds its claim on a host
+        old_host = STORE.moves.host_row(conn, vm.host_id)
+        old_devs = STORE.moves.held_devices(conn, vm.id)
         _check_from(vm, old_host, old_devs, m)  # raised here, the lease is not taken (the transaction rolls back)
         grace_s = settings(conn)["grace_s"]
         params = {"name": vm.name, "from": _side(m.from_host, m.from_devices), "to": _side(m.to_host, m.to_devices),
                   "frees": m.frees, **({} if undoes is None else {"undoes": undoes})}
-        conn.execute(MOVE.insert().values(vm_id=vm.id, step="stopping", from_host_id=old_host.id,
-                                          old_devices=[d.id for d in old_devs], new_devices=[],
-                                          was_running=vm.state == VmState.RUNNING, params=params,
-                                          started_at=utcnow(), updated_at=utcnow()))
+        STORE.moves.add_move(conn, vm.id, old_host.id, [d.id for d in old_devs], vm.state == VmState.RUNNING,
+                             params)
     name = domain_name(vm)
     was_running = vm.state == VmState.RUNNING
-    new_host: Any = None
+    new_host: HostRow | None = None
     new_ids: list[str] = []
-    ready: list[Any] = []
+    ready: list[HeldDevice] = []
     tried = defined = started = False
     with Renewal(ctl, vm.id, holder):
         try:
@@ -278,20 +259,19 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
             _crash_point("stopped")
             with ctl.tx() as conn:
                 new_host, new_ids = _claim_new(ctl, conn, vm, old_host, m)
-                _step(conn, vm.id, "claimed", to_host_id=new_host.id, new_devices=new_ids)
+                STORE.moves.set_move_step(conn, vm.id, "claimed", to_host_id=new_host.id, new_devices=new_ids)
             _crash_point("claimed")
             new_driver = ctl.hosts.get(new_host)
             with ctl.engine.connect() as conn:
-                new_devs = [d for d in _devices(conn, vm.id) if d.id in new_ids]
+                new_devs = [d for d in STORE.moves.held_devices(conn, vm.id) if d.id in new_ids]
             for dev in new_devs:
                 spec = device_spec(ctl, dev)
                 handle = new_driver.create_device(spec)
                 ready.append(dev)
                 with ctl.tx() as conn:
-                    conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id).values(
-                        state="ready", handle={"backing": handle.backing.value, "uuid": handle.uuid,
-                                               "pci_address": handle.pci_address,
-                                               "gpu_instance_id": handle.gpu_instance_id}))
+                    STORE.moves.set_device_made(conn, dev.id, {
+                        "backing": handle.backing.value, "uuid": handle.uuid, "pci_address": handle.pci_address,
+                        "gpu_instance_id": handle.gpu_instance_id})
             _crash_point("created")
             with ctl.engine.connect() as conn:
                 xml = render_vm(ctl, conn, vm.id, only=new_ids)
@@ -300,13 +280,13 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
             defined = True  # on the same host, the old definition is replaced from here on
             _crash_point("defined")
             with ctl.tx() as conn:
-                _step(conn, vm.id, "defined", domain_uuid=dom_uuid)
+                STORE.moves.set_move_step(conn, vm.id, "defined", domain_uuid=dom_uuid)
             if was_running:
                 started = True
                 new_driver.start_domain(name)
             _crash_point("started")
             with ctl.tx() as conn:
-                _step(conn, vm.id, "done")
+                STORE.moves.set_move_step(conn, vm.id, "done")
             _crash_point("done")
         except Exception as exc:
             error = exc.message if isinstance(exc, VgpuCtlError) else f"{type(exc).__name__}: {exc}"
@@ -320,8 +300,8 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
         _finish_move(ctl, vm, old_host, new_host, old_devs, dom_uuid, holder, {**params, "running": was_running})
 
 
-def _finish_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, old_devs: Sequence[Any], dom_uuid: str | None,
-                 holder: str, params: dict[str, Any], note: str | None = None) -> None:
+def _finish_move(ctl: Controller, vm: VmRow, old_host: HostRow, new_host: HostRow, old_devs: Sequence[HeldDevice],
+                 dom_uuid: str | None, holder: str, params: dict[str, Any], note: str | None = None) -> None:
     """The VM runs (or is defined) at its new place: the old claim goes, host side first (errors noted, nothing
     undone), then in one transaction the old devices and host room, the VM's new place, the move's row, and
     `vm.move` (with `note`, when reconcile finished it)."""
@@ -337,18 +317,17 @@ def _finish_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, old_dev
     errors += remove_devices(ctl, old_driver, old_devs)
     _crash_point("removed")
     with ctl.tx() as conn:
-        alloc.free_devices(conn, ctl.catalog, [d._mapping for d in old_devs])
+        alloc.free_devices(conn, ctl.catalog, [d._asdict() for d in old_devs])
         if new_host.id != old_host.id:
             alloc.release_host(conn, old_host.id, vm.vcpus, vm.memory_mib)
-        conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
-            host_id=new_host.id, domain_uuid=dom_uuid, lease_holder=None, lease_expires=None, updated_at=utcnow()))
-        conn.execute(delete(MOVE).where(MOVE.c.vm_id == vm.id))
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        STORE.moves.end_move(conn, vm.id, holder, {"host_id": new_host.id, "domain_uuid": dom_uuid})
+        tenant = STORE.tenants.tenant_name(conn, vm.tenant_id)
         record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, error="; ".join(errors) or None,
                params=params)
 
 
-def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: Sequence[str], ready: Sequence[Any],
+def _undo_move(ctl: Controller, vm: VmRow, old_host: HostRow, new_host: HostRow | None, new_ids: Sequence[str],
+               ready: Sequence[HeldDevice],
                steps: tuple[bool, bool, bool], was_running: bool, holder: str, error: str,
                params: dict[str, Any]) -> list[str]:
     """Take back what a failed move gave the new place (domain, devices, claim) and start the VM where it was
@@ -372,7 +351,7 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
             try:
                 if same:  # the same domain: its old definition back
                     with ctl.engine.connect() as conn:
-                        old_ids = [d.id for d in _devices(conn, vm.id) if d.id not in new_ids]
+                        old_ids = [d.id for d in STORE.moves.held_devices(conn, vm.id) if d.id not in new_ids]
                         xml = render_vm(ctl, conn, vm.id, only=old_ids)
                     new_driver.define_domain(xml)
                 else:
@@ -382,7 +361,7 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
         notes += remove_devices(ctl, new_driver, ready, on=new_host.name)
         if new_ids:
             with ctl.tx() as conn:
-                rows = [d._mapping for d in _devices(conn, vm.id) if d.id in new_ids]
+                rows = [d._asdict() for d in STORE.moves.held_devices(conn, vm.id) if d.id in new_ids]
                 alloc.free_devices(conn, ctl.catalog, rows)
                 if not same:
                     alloc.release_host(conn, new_host.id, vm.vcpus, vm.memory_mib)
@@ -396,11 +375,8 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
             notes.append(f"start on {old_host.name}: {exc}")
             start_failed = True
     with ctl.tx() as conn:
-        conn.execute(update(VM).where(VM.c.id == vm.id, VM.c.lease_holder == holder).values(
-            state=VmState.STOPPED.value if start_failed else vm.state, lease_holder=None, lease_expires=None,
-            updated_at=utcnow()))
-        conn.execute(delete(MOVE).where(MOVE.c.vm_id == vm.id))
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+        STORE.moves.end_move(conn, vm.id, holder, {"state": VmState.STOPPED.value if start_failed else vm.state})
+        tenant = STORE.tenants.tenant_name(conn, vm.tenant_id)
         record(conn, ctl.principal.actor, "vm.move", f"vm:{vm.id}", tenant=tenant, result="failed",
                error=error + ("; undo: " + "; ".join(notes) if notes else ""), params=params)
     return notes
@@ -408,14 +384,9 @@ def _undo_move(ctl: Controller, vm: Any, old_host: Any, new_host: Any, new_ids: 
 
 # -- moves a crash interrupted -----------------------------------------------------------------------------------
 
-def pending_moves(conn: Connection) -> list[Any]:
+def pending_moves(conn: Tx) -> list[PendingMove]:
     """Every move under way or interrupted, with its VM's name, state and lease, and the hosts' names."""
-    to_host = alloc.HOST.alias("to_host")
-    return list(conn.execute(
-        select(MOVE, VM.c.name, VM.c.state, VM.c.lease_holder, VM.c.lease_expires,
-               alloc.HOST.c.name.label("from_host"), to_host.c.name.label("to_host"))
-        .join(VM, VM.c.id == MOVE.c.vm_id).join(alloc.HOST, alloc.HOST.c.id == MOVE.c.from_host_id)
-        .outerjoin(to_host, to_host.c.id == MOVE.c.to_host_id).order_by(MOVE.c.started_at)).all())
+    return STORE.moves.pending_moves(conn)
 
 
 def settle_moves(ctl: Controller) -> dict[str, str]:
@@ -444,19 +415,19 @@ def resume_move(ctl: Controller, vm_id: str) -> str:
     _admin(ctl, "reconcile")
     holder = new_holder()
     with ctl.tx() as conn:
-        mv = conn.execute(select(MOVE).where(MOVE.c.vm_id == vm_id)).first()
+        mv = STORE.moves.move_row(conn, vm_id)
         if mv is None:
             raise Conflict(f"no move of VM {vm_id} is recorded", reasons=[{"vm": vm_id}])
         vm = take(conn, vm_id, holder, LIVE, what="finish the move of")
         if vm is None:
             raise Conflict(f"VM {vm_id} is no longer running or stopped", reasons=[{"vm": vm_id}])
-        old_host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == mv.from_host_id)).one()
-        new_host = None if mv.to_host_id is None else conn.execute(
-            select(alloc.HOST).where(alloc.HOST.c.id == mv.to_host_id)).one()
-        devs = _devices(conn, vm_id)
+        old_host = STORE.moves.host_row(conn, mv.from_host_id)
+        new_host = None if mv.to_host_id is None else STORE.moves.host_row(conn, mv.to_host_id)
+        devs = STORE.moves.held_devices(conn, vm_id)
     note = f"interrupted at step {mv.step} (its process stopped); "
     with Renewal(ctl, vm_id, holder):
         if mv.step == "done":
+            assert new_host is not None  # recorded with step claimed, before done
             _finish_move(ctl, vm, old_host, new_host, [d for d in devs if d.id in mv.old_devices], mv.domain_uuid,
                          holder, {**mv.params, "running": mv.was_running}, note + "finished by reconcile")
             return "finished"

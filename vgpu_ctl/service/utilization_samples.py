@@ -17,12 +17,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, select
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.service import gpu_loads
-from vgpu_ctl.service.allocation import HOST
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.utilization import (
     FleetUsage,
     GpuUsage,
@@ -37,12 +34,11 @@ from vgpu_ctl.service.utilization import (
     judged,
     load_by_gpu,
 )
-from vgpu_ctl.store.models import UtilizationSample
+from vgpu_ctl.store.utilization import SampleRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-SAMPLE = UtilizationSample.__table__  # type: ignore[attr-defined]
 STALE_INTERVALS = 3.0  # a sample older than this many of its intervals is not current
 DEFAULT_INTERVAL_S = 60.0
 
@@ -79,18 +75,16 @@ def _idle_after(previous: Mapping[str, Any], now: Iterable[tuple[str, VgpuUsage,
     return out
 
 
-def record_usage(conn: Connection, usage: FleetUsage, interval_s: float) -> int:
+def record_usage(conn: Tx, usage: FleetUsage, interval_s: float) -> int:
     """Keep one round's samples (taken at `usage.time`, on an interval of `interval_s`) as the hosts' latest, in
     the caller's transaction: a sampled host's row is replaced (its idle marks carried on), a host that could not
     be sampled keeps its last sample with this try's error; simulated hosts have nothing to keep. How many rows."""
     interval = check_interval(interval_s, "interval_s")
-    ids = {r.name: r.id for r in conn.execute(select(HOST.c.id, HOST.c.name).where(
-        HOST.c.name.in_(list(usage.hosts))))}
+    ids = STORE.utilization.host_ids(conn, usage.hosts)
     wanted = {h: why for h, why in usage.hosts.items() if h in ids and not (why or "").startswith("simulated")}
     if not wanted:
         return 0
-    old = {r.host_id: r for r in conn.execute(select(SAMPLE).where(
-        SAMPLE.c.host_id.in_([ids[h] for h in wanted])))}
+    old = STORE.utilization.samples_of(conn, [ids[h] for h in wanted])
     gpus: dict[str, list[dict[str, Any]]] = {}
     vgpus: dict[str, list[dict[str, Any]]] = {}
     notes: dict[str, list[str]] = {}
@@ -110,17 +104,14 @@ def record_usage(conn: Connection, usage: FleetUsage, interval_s: float) -> int:
         hid = ids[host]
         before = old.get(hid)
         if why is not None:  # not sampled: the last sample stays, with this try's error
-            rows.append({"host_id": hid, "attempted_at": at, "error": why, "interval_s": interval,
-                         "sampled_at": before.sampled_at if before is not None else None,
-                         "sample": before.sample if before is not None else None})
+            rows.append(SampleRow(hid, at, before.sampled_at if before is not None else None, why, interval,
+                                  before.sample if before is not None else None))
             continue
         previous = (before.sample or {}).get("idle", {}) if before is not None else {}
         sample = {"gpus": gpus.get(host, []), "vgpus": vgpus.get(host, []), "notes": notes.get(host, []),
                   "idle": _idle_after(previous, judged_on.get(host, []), usage.time)}
-        rows.append({"host_id": hid, "attempted_at": at, "sampled_at": at, "error": None, "interval_s": interval,
-                     "sample": sample})
-    conn.execute(delete(SAMPLE).where(SAMPLE.c.host_id.in_([r["host_id"] for r in rows])))
-    conn.execute(SAMPLE.insert(), rows)
+        rows.append(SampleRow(hid, at, at, None, interval, sample))
+    STORE.utilization.put_samples(conn, rows)
     return len(rows)
 
 
@@ -167,25 +158,22 @@ def stored_usage(ctl: Controller, now: float | None = None, hosts: Iterable[str]
     """The hosts' kept samples (admin or reader; those named, else all), read in one statement, no host called."""
     ctl.principal.require_reader("utilization")
     t = time.time() if now is None else now
-    query = select(SAMPLE, HOST.c.name).join(HOST, HOST.c.id == SAMPLE.c.host_id).order_by(HOST.c.name)
-    if hosts is not None:
-        query = query.where(HOST.c.name.in_(list(hosts)))
     with ctl.engine.connect() as conn:
-        rows = conn.execute(query).all()
+        rows = STORE.utilization.host_samples(conn, None if hosts is None else list(hosts))
     out = StoredUsage(FleetUsage(t))
     for r in rows:
         age = None if r.sampled_at is None else t - _epoch(r.sampled_at)
         if age is not None:
-            out.ages[r.name] = max(0.0, age)
+            out.ages[r.host] = max(0.0, age)
         if age is None or age > STALE_INTERVALS * r.interval_s:
             since = "never sampled" if age is None else \
                 f"last sample {age:.0f}s old (stale after {STALE_INTERVALS:g} intervals of {r.interval_s:g}s)"
-            out.usage.hosts[r.name] = f"{r.error}; {since}" if r.error else since
+            out.usage.hosts[r.host] = f"{r.error}; {since}" if r.error else since
             continue
-        out.usage.hosts[r.name] = r.error
+        out.usage.hosts[r.host] = r.error
         sample = r.sample or {}
         out.usage.gpus += [GpuUsage(**g) for g in sample.get("gpus", [])]
         out.usage.vgpus += [VgpuUsage(**v) for v in sample.get("vgpus", [])]
-        out.usage.notes += [f"{r.name}: {n}" for n in sample.get("notes", [])]
+        out.usage.notes += [f"{r.host}: {n}" for n in sample.get("notes", [])]
         out.idle.update(sample.get("idle", {}))
     return out

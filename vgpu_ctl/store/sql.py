@@ -14,6 +14,7 @@ from vgpu_ctl.store import (
     idempotency,
     inventory,
     leader_lease,
+    moves,
     operations,
     quotas,
     tenants,
@@ -36,6 +37,7 @@ class SqlStore:
     idempotency: Final = idempotency
     inventory: Final = inventory
     leader_lease: Final = leader_lease
+    moves: Final = moves
     operations: Final = operations
     quotas: Final = quotas
     tenants: Final = tenants
