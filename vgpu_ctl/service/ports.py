@@ -18,11 +18,26 @@ from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.moves import HeldDevice, MoveEvent, MoveRow, PendingMove, PlacedDevice, TargetGpu
 from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
+from vgpu_ctl.store.scheduling import (
+    AccountRow,
+    ClassRow,
+    ClassUse,
+    DeviceKind,
+    DevicePlace,
+    Guarantee,
+    HolderRow,
+    IntervalRow,
+    LedgerRow,
+    TenantSchedRow,
+    TenantShare,
+    VmCharge,
+)
 from vgpu_ctl.store.sql import SqlStore
 from vgpu_ctl.store.tenants import TenantRow
 from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
 from vgpu_ctl.store.utilization import HostSample, SampledDevice, SampledGpu, SampleRow
+from vgpu_ctl.store.vm_sched import Holding, VmSchedRow
 from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmRow
 
 
@@ -324,6 +339,119 @@ class QuotaStore(Protocol):
         """Set the host's used capacity."""
 
 
+class SchedulingStore(Protocol):
+    """Priority classes, tenants' scheduling settings, the share tree's accounts, the scheduling settings, fair
+    share's usage intervals and ledgers, the queue, and what a preemption plans from."""
+
+    def stored_settings(self, tx: Tx) -> dict[str, float]:
+        """The scheduling settings stored, by name."""
+
+    def put_setting(self, tx: Tx, name: str, value: float | None) -> None:
+        """Store a scheduling setting (None: delete it)."""
+
+    def class_rows(self, tx: Tx) -> list[ClassRow]:
+        """Every priority class, highest value first, then by name."""
+
+    def any_class(self, tx: Tx) -> bool:
+        """Whether there is any priority class."""
+
+    def has_class(self, tx: Tx, name: str) -> bool:
+        """Whether a priority class exists."""
+
+    def add_class(self, tx: Tx, row: ClassRow, created_at: datetime) -> None:
+        """Insert a priority class (a default one takes the place of the previous default)."""
+
+    def class_use(self, tx: Tx, name: str) -> ClassUse:
+        """What uses a priority class."""
+
+    def remove_class(self, tx: Tx, name: str) -> None:
+        """Delete a priority class."""
+
+    def tenant_sched(self, tx: Tx, tenant_id: int) -> TenantSchedRow | None:
+        """A tenant's scheduling row."""
+
+    def tenant_classes(self, tx: Tx, tenant_id: int) -> list[str]:
+        """The priority classes a tenant may use, sorted (none: any)."""
+
+    def put_tenant_sched(self, tx: Tx, tenant_id: int, row: TenantSchedRow, classes: Collection[str]) -> None:
+        """Replace a tenant's scheduling row and allowed classes."""
+
+    def tenant_shares(self, tx: Tx) -> list[TenantShare]:
+        """Every tenant with its shares and account."""
+
+    def account_rows(self, tx: Tx) -> list[AccountRow]:
+        """Every account of the share tree."""
+
+    def has_account(self, tx: Tx, name: str) -> bool:
+        """Whether an account exists."""
+
+    def put_account(self, tx: Tx, row: AccountRow) -> None:
+        """Set (or add) an account."""
+
+    def account_members(self, tx: Tx, name: str) -> list[str]:
+        """The accounts, then the tenants, directly under an account."""
+
+    def remove_account(self, tx: Tx, name: str) -> None:
+        """Delete an account."""
+
+    def gpu_model_counts(self, tx: Tx) -> list[tuple[str, int]]:
+        """How many managed GPUs of each model the fleet has."""
+
+    def ledger_rows(self, tx: Tx) -> list[LedgerRow]:
+        """Every tenant's folded usage."""
+
+    def put_ledger(self, tx: Tx, row: LedgerRow) -> None:
+        """Set (or add) a tenant's folded usage."""
+
+    def interval_rows(self, tx: Tx) -> list[IntervalRow]:
+        """Every closed usage interval not yet folded."""
+
+    def interval_count(self, tx: Tx) -> int:
+        """How many closed usage intervals wait to be folded."""
+
+    def drop_intervals(self, tx: Tx, ids: Collection[int]) -> None:
+        """Delete folded usage intervals."""
+
+    def free_vms_on(self, tx: Tx, host_ids: Collection[int], states: Collection[str]) -> list[HolderRow]:
+        """The VMs with a scheduling row on these hosts, in `states`, that no process holds."""
+
+    def device_kinds(self, tx: Tx, vm_ids: Collection[str]) -> list[DeviceKind]:
+        """The devices of these VMs."""
+
+    def device_places(self, tx: Tx, vm_id: str) -> list[DevicePlace]:
+        """A VM's devices, by PCI address and start."""
+
+    def claim_charges(self, tx: Tx, tenant_ids: Collection[int], states: Collection[str]) -> list[VmCharge]:
+        """What these tenants' VMs in `states` charge, oldest admission first."""
+
+    def vm_charges(self, tx: Tx, vm_ids: Collection[str]) -> list[VmCharge]:
+        """What these VMs charge."""
+
+    def guarantees(self, tx: Tx, tenant_ids: Collection[int], resources: Sequence[str],
+                   scope: str | None = None) -> list[Guarantee]:
+        """These tenants' guarantees: of `resources` globally, and scoped (only `scope`'s when given)."""
+
+    def event_params(self, tx: Tx, action: str, result: str) -> list[Any]:
+        """The parameters of the audit events of `action` that ended in `result`."""
+
+    def queued(self, tx: Tx, holder: str) -> list[OperationRow]:
+        """The pending operations the queue (`holder`) holds."""
+
+    def queued_count(self, tx: Tx, holder: str) -> int:
+        """How many pending operations the queue holds."""
+
+    def take_queued(self, tx: Tx, op_id: str, holder: str, taker: str, now: datetime) -> bool:
+        """Give a queued operation to `taker` if the queue still holds it; whether this call did."""
+
+    def drop_queued(self, tx: Tx, op_id: str, error: dict[str, Any], now: datetime) -> None:
+        """End a pending operation as failed."""
+
+    def end_admission(self, tx: Tx, op_id: str, taker: str, state: str, *, holder_after: str | None,
+                      vm_id: str | None, result: dict[str, Any] | None, error: dict[str, Any] | None,
+                      now: datetime) -> None:
+        """Record one try of a queued operation `taker` took."""
+
+
 class TenantStore(Protocol):
     """Tenants."""
 
@@ -424,6 +552,18 @@ class VmSchedStore(Protocol):
                                protected_until: float) -> None:
         """Set the VM's preemption count and the protection (below a priority, until epoch seconds) it has."""
 
+    def add_vm_sched(self, tx: Tx, row: VmSchedRow) -> None:
+        """Insert a just-claimed VM's scheduling row."""
+
+    def preemptions(self, tx: Tx, vm_id: str) -> int:
+        """How often a VM was preempted."""
+
+    def holdings(self, tx: Tx) -> list[Holding]:
+        """What every VM with a scheduling row is charged now."""
+
+    def class_vm_counts(self, tx: Tx) -> dict[str | None, int]:
+        """How many VMs hold each priority class."""
+
 
 class Store(Protocol):
     """The store as the service uses it: one attribute per aggregate."""
@@ -473,6 +613,10 @@ class Store(Protocol):
         """Quotas and usage."""
 
     @property
+    def scheduling(self) -> SchedulingStore:
+        """Scheduling."""
+
+    @property
     def tenants(self) -> TenantStore:
         """Tenants."""
 
@@ -493,6 +637,6 @@ STORE: Store = SqlStore()
 
 __all__ = [
     "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
-    "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore", "Store", "TenantStore", "TokenStore", "Tx",
-    "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
+    "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore", "SchedulingStore", "Store", "TenantStore",
+    "TokenStore", "Tx", "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
 ]

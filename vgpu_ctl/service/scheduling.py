@@ -15,9 +15,6 @@ import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import Table, bindparam, delete, func, insert, select, update
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.fairshare import (
     Interval,
     Member,
@@ -59,35 +56,24 @@ from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import claim
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.hibernation import hibernate, resume, supported_modes
+from vgpu_ctl.service.ports import STORE, Tx, utcnow
 from vgpu_ctl.service.principals import Principal
-from vgpu_ctl.service.quotas import POOL, VM
 from vgpu_ctl.service.scheduling_types import PreemptionPlan, Victim  # their home, re-exported
-from vgpu_ctl.store.models import (
-    Meta,
-    ShareAccount,
-    TenantPriorityClass,
-    TenantSched,
-    UsageInterval,
-    UsageLedger,
-    VmSched,
-    utcnow,
+from vgpu_ctl.store.operations import OperationRow
+from vgpu_ctl.store.scheduling import (
+    AccountRow,
+    ClassRow,
+    Guarantee,
+    HolderRow,
+    LedgerRow,
+    TenantSchedRow,
 )
-from vgpu_ctl.store.models import PriorityClass as PriorityClassRow
-from vgpu_ctl.store.prepared import Prepared
-from vgpu_ctl.store.tables import OPERATION
+from vgpu_ctl.store.vm_sched import VmSchedRow
+from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
     from vgpu_ctl.service.requests import VmRequest
-
-CLASS: Table = PriorityClassRow.__table__  # type: ignore[attr-defined]
-ACCOUNT: Table = ShareAccount.__table__  # type: ignore[attr-defined]
-TSCHED: Table = TenantSched.__table__  # type: ignore[attr-defined]
-TCLASS: Table = TenantPriorityClass.__table__  # type: ignore[attr-defined]
-VMSCHED: Table = VmSched.__table__  # type: ignore[attr-defined]
-INTERVAL: Table = UsageInterval.__table__  # type: ignore[attr-defined]
-LEDGER: Table = UsageLedger.__table__  # type: ignore[attr-defined]
-META: Table = Meta.__table__  # type: ignore[attr-defined]
 
 QUEUE_HOLDER = "queue"
 """The lease holder of a queued (pending) operation: never expires, never taken over by the recovery loop."""
@@ -116,17 +102,13 @@ DEFAULT_COMPUTE_SLICES = 7
 
 # -- settings ---------------------------------------------------------------------------------------------------
 
-def settings(conn: Connection) -> dict[str, float]:
-    """The scheduling settings, stored (Meta keys `sched.NAME`) or default."""
-    out = dict(SETTINGS)
-    for key, value in conn.execute(select(META.c.key, META.c.value).where(META.c.key.like("sched.%"))):
-        name = key.removeprefix("sched.")
-        if name in out:
-            out[name] = float(value)
-    return out
+def settings(conn: Tx) -> dict[str, float]:
+    """The scheduling settings, stored or default."""
+    stored = STORE.scheduling.stored_settings(conn)
+    return {name: stored.get(name, default) for name, default in SETTINGS.items()}
 
 
-def set_settings(conn: Connection, actor: str, values: Mapping[str, float | None]) -> dict[str, float]:
+def set_settings(conn: Tx, actor: str, values: Mapping[str, float | None]) -> dict[str, float]:
     """Set scheduling settings (None: back to the default); all settings after. InvalidInput naming the field for
     an unknown name or a value that is not a positive number (grace and cool-down may be 0)."""
     for name, value in values.items():
@@ -141,23 +123,21 @@ def set_settings(conn: Connection, actor: str, values: Mapping[str, float | None
             raise InvalidInput(f"{name} must be a number of seconds from 0 to 1e9 (field {name}, value {value!r})",
                                reasons=[{"field": name, "value": value}])
     for name, value in values.items():
-        conn.execute(delete(META).where(META.c.key == f"sched.{name}"))
-        if value is not None:
-            conn.execute(insert(META).values(key=f"sched.{name}", value=repr(float(value))))
+        STORE.scheduling.put_setting(conn, name, value)
     record(conn, actor, "scheduling.set", "scheduling", params={k: v for k, v in values.items()})
     return settings(conn)
 
 
 # -- priority classes -------------------------------------------------------------------------------------------
 
-def _class_of(row: Any) -> PriorityClass:
-    return PriorityClass(row.name, int(row.value), bool(row.preemptible), PreemptionPolicy(row.preemption_policy),
-                         PreemptionMode(row.preemption_mode), bool(row.is_default), row.description)
+def _class_of(row: ClassRow) -> PriorityClass:
+    return PriorityClass(row.name, row.value, row.preemptible, PreemptionPolicy(row.preemption_policy),
+                         PreemptionMode(row.preemption_mode), row.is_default, row.description)
 
 
-def classes(conn: Connection) -> dict[str, PriorityClass]:
+def classes(conn: Tx) -> dict[str, PriorityClass]:
     """Every priority class by name."""
-    return {r.name: _class_of(r) for r in conn.execute(select(CLASS).order_by(CLASS.c.value.desc(), CLASS.c.name))}
+    return {r.name: _class_of(r) for r in STORE.scheduling.class_rows(conn)}
 
 
 def class_dict(c: PriorityClass, vms: int = 0) -> dict[str, Any]:
@@ -167,7 +147,7 @@ def class_dict(c: PriorityClass, vms: int = 0) -> dict[str, Any]:
             "default": c.default, "description": c.description, "vms": vms}
 
 
-def create_class(conn: Connection, actor: str, name: str, value: int, *, preemptible: bool = False,
+def create_class(conn: Tx, actor: str, name: str, value: int, *, preemptible: bool = False,
                  preemption_policy: str = "lower-priority", preemption_mode: str = "requeue", default: bool = False,
                  description: str = "") -> dict[str, Any]:
     """Add a priority class (with `default`, it becomes the global default in place of the previous one).
@@ -175,60 +155,54 @@ def create_class(conn: Connection, actor: str, name: str, value: int, *, preempt
     check_name("priority class", name)
     cls = PriorityClass(name, check_value(value), bool(preemptible), check_policy(preemption_policy),
                         check_mode(preemption_mode), bool(default), description)
-    if conn.execute(select(CLASS.c.name).where(CLASS.c.name == name)).first() is not None:
+    if STORE.scheduling.has_class(conn, name):
         raise Conflict(f"priority class {name!r} already exists", reasons=[{"field": "name", "value": name}])
-    if default:
-        conn.execute(update(CLASS).where(CLASS.c.is_default.is_(True)).values(is_default=False))
-    conn.execute(insert(CLASS).values(name=name, value=cls.value, preemptible=cls.preemptible,
-                                      preemption_policy=cls.preemption_policy.value,
-                                      preemption_mode=cls.preemption_mode.value, is_default=cls.default,
-                                      description=description, created_at=utcnow()))
+    STORE.scheduling.add_class(conn, ClassRow(name, cls.value, cls.preemptible, cls.preemption_policy.value,
+                                              cls.preemption_mode.value, cls.default, description), utcnow())
     out = class_dict(cls)
     record(conn, actor, "priority.create", f"priority:{name}", params=out)
     return out
 
 
-def list_classes(conn: Connection) -> list[dict[str, Any]]:
+def list_classes(conn: Tx) -> list[dict[str, Any]]:
     """Every class, highest value first, with how many VMs hold it."""
-    counts: dict[str | None, int] = {name: int(n) for name, n in conn.execute(
-        select(VMSCHED.c.class_name, func.count()).group_by(VMSCHED.c.class_name))}
+    counts = STORE.vm_sched.class_vm_counts(conn)
     return [class_dict(c, int(counts.get(c.name, 0))) for c in classes(conn).values()]
 
 
-def delete_class(conn: Connection, actor: str, name: str) -> None:
+def delete_class(conn: Tx, actor: str, name: str) -> None:
     """Remove a class no VM, tenant default or tenant limit uses (Conflict naming them otherwise)."""
-    if conn.execute(select(CLASS.c.name).where(CLASS.c.name == name)).first() is None:
+    if not STORE.scheduling.has_class(conn, name):
         raise NotFound(f"priority class {name!r} not found", reasons=[{"field": "priority", "value": name}])
+    use = STORE.scheduling.class_use(conn, name)
     users = {
-        "VMs": conn.execute(select(func.count()).select_from(VMSCHED).where(VMSCHED.c.class_name == name)).scalar(),
-        "tenant defaults": conn.execute(select(func.count()).select_from(TSCHED)
-                                        .where(TSCHED.c.default_class == name)).scalar(),
-        "tenant limits": conn.execute(select(func.count()).select_from(TCLASS)
-                                      .where(TCLASS.c.class_name == name)).scalar(),
+        "VMs": use.vms,
+        "tenant defaults": use.tenant_defaults,
+        "tenant limits": use.tenant_limits,
         "queued requests": sum(1 for r in _queued_rows(conn) if r.request.get("priority") == name),
     }
-    used = {k: int(v or 0) for k, v in users.items() if v}
+    used = {k: v for k, v in users.items() if v}
     if used:
         raise Conflict(f"priority class {name!r} is in use ({', '.join(f'{n} {k}' for k, n in used.items())})",
                        reasons=[{"field": "priority", "value": name, **used}])
-    conn.execute(delete(CLASS).where(CLASS.c.name == name))
+    STORE.scheduling.remove_class(conn, name)
     record(conn, actor, "priority.delete", f"priority:{name}")
 
 
 # -- tenants and accounts ---------------------------------------------------------------------------------------
 
-def tenant_settings(conn: Connection, tenant_id: int) -> dict[str, Any]:
+def tenant_settings(conn: Tx, tenant_id: int) -> dict[str, Any]:
     """A tenant's shares, account, default class and allowed classes (None: any)."""
-    row = conn.execute(select(TSCHED).where(TSCHED.c.tenant_id == tenant_id)).first()
-    allowed = sorted(r[0] for r in conn.execute(select(TCLASS.c.class_name).where(TCLASS.c.tenant_id == tenant_id)))
-    return {"shares": int(row.shares) if row else 1, "account": row.account if row else None,
+    row = STORE.scheduling.tenant_sched(conn, tenant_id)
+    allowed = STORE.scheduling.tenant_classes(conn, tenant_id)
+    return {"shares": row.shares if row else 1, "account": row.account if row else None,
             "default_priority": row.default_class if row else None, "priority_classes": allowed or None}
 
 
 _UNSET: Any = object()
 
 
-def set_tenant(conn: Connection, actor: str, tenant_id: int, tenant: str, *, shares: int | None = None,
+def set_tenant(conn: Tx, actor: str, tenant_id: int, tenant: str, *, shares: int | None = None,
                account: str | None = _UNSET, default_priority: str | None = _UNSET,
                priority_classes: Collection[str] | None = _UNSET) -> dict[str, Any]:
     """Change a tenant's scheduling settings (what is not given stays; None clears account, default or the class
@@ -240,8 +214,7 @@ def set_tenant(conn: Connection, actor: str, tenant_id: int, tenant: str, *, sha
         check_int("shares", shares, 1, 10 ** 9)
         cur["shares"] = shares
     if account is not _UNSET:
-        if account is not None and conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.name == account)).first() \
-                is None:
+        if account is not None and not STORE.scheduling.has_account(conn, account):
             raise InvalidInput(f"unknown account {account!r} (field account)",
                                reasons=[{"field": "account", "value": account}])
         cur["account"] = account
@@ -264,22 +237,18 @@ def set_tenant(conn: Connection, actor: str, tenant_id: int, tenant: str, *, sha
         raise InvalidInput(f"default priority {cur['default_priority']!r} is not among the tenant's classes "
                            f"({', '.join(allowed)}) (field default_priority)",
                            reasons=[{"field": "default_priority", "value": cur["default_priority"]}])
-    conn.execute(delete(TSCHED).where(TSCHED.c.tenant_id == tenant_id))
-    conn.execute(insert(TSCHED).values(tenant_id=tenant_id, shares=cur["shares"], account=cur["account"],
-                                       default_class=cur["default_priority"]))
-    conn.execute(delete(TCLASS).where(TCLASS.c.tenant_id == tenant_id))
-    for c in allowed or ():
-        conn.execute(insert(TCLASS).values(tenant_id=tenant_id, class_name=c))
+    STORE.scheduling.put_tenant_sched(conn, tenant_id, TenantSchedRow(cur["shares"], cur["account"],
+                                                                      cur["default_priority"]), allowed or ())
     record(conn, actor, "tenant.scheduling", tenant, tenant=tenant, params=dict(cur))
     return cur
 
 
-def set_account(conn: Connection, actor: str, name: str, shares: int, parent: str | None) -> dict[str, Any]:
+def set_account(conn: Tx, actor: str, name: str, shares: int, parent: str | None) -> dict[str, Any]:
     """Add or change an account of the share tree; InvalidInput naming the field for bad shares, an unknown
     parent or a parent that would make a cycle."""
     check_name("account", name)
     check_int("shares", shares, 1, 10 ** 9)
-    accounts = {r.name: r.parent for r in conn.execute(select(ACCOUNT))}
+    accounts = {r.name: r.parent for r in STORE.scheduling.account_rows(conn)}
     if parent is not None:
         if parent not in accounts:
             raise InvalidInput(f"unknown parent account {parent!r} (field parent)",
@@ -290,33 +259,27 @@ def set_account(conn: Connection, actor: str, name: str, shares: int, parent: st
                 raise InvalidInput(f"account {name!r} can't be under {parent!r}: that makes a cycle (field parent)",
                                    reasons=[{"field": "parent", "value": parent}])
             up = accounts.get(up)
-    if name in accounts:
-        conn.execute(update(ACCOUNT).where(ACCOUNT.c.name == name).values(shares=shares, parent=parent))
-    else:
-        conn.execute(insert(ACCOUNT).values(name=name, shares=shares, parent=parent))
+    STORE.scheduling.put_account(conn, AccountRow(name, shares, parent))
     out = {"name": name, "shares": shares, "parent": parent}
     record(conn, actor, "account.set", f"account:{name}", params=out)
     return out
 
 
-def delete_account(conn: Connection, actor: str, name: str) -> None:
+def delete_account(conn: Tx, actor: str, name: str) -> None:
     """Remove an account without members (Conflict naming them otherwise)."""
-    if conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.name == name)).first() is None:
+    if not STORE.scheduling.has_account(conn, name):
         raise NotFound(f"account {name!r} not found", reasons=[{"field": "account", "value": name}])
-    members = [r[0] for r in conn.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.parent == name))]
-    members += [r[0] for r in conn.execute(select(alloc.TENANT.c.name).join(TSCHED, TSCHED.c.tenant_id ==
-                                                                            alloc.TENANT.c.id)
-                                           .where(TSCHED.c.account == name))]
+    members = STORE.scheduling.account_members(conn, name)
     if members:
         raise Conflict(f"account {name!r} still has members: {', '.join(sorted(members))}",
                        reasons=[{"field": "account", "value": name, "members": sorted(members)}])
-    conn.execute(delete(ACCOUNT).where(ACCOUNT.c.name == name))
+    STORE.scheduling.remove_account(conn, name)
     record(conn, actor, "account.delete", f"account:{name}")
 
 
 # -- admission: a VM's priority and charge ----------------------------------------------------------------------
 
-def resolve(conn: Connection, tenant_id: int, tenant: str, requested: str | None) -> PriorityClass:
+def resolve(conn: Tx, tenant_id: int, tenant: str, requested: str | None) -> PriorityClass:
     """The class a request of the tenant gets (see `core.priority.resolve_class`); InvalidInput naming the field
     priority for an unknown or disallowed class."""
     known = classes(conn) if requested is not None or _any_class(conn) else {}
@@ -326,8 +289,8 @@ def resolve(conn: Connection, tenant_id: int, tenant: str, requested: str | None
     return resolve_class(requested, known, ts["priority_classes"], ts["default_priority"], tenant)
 
 
-def _any_class(conn: Connection) -> bool:
-    return conn.execute(select(CLASS.c.name).limit(1)).first() is not None
+def _any_class(conn: Tx) -> bool:
+    return STORE.scheduling.any_class(conn)
 
 
 def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
@@ -347,11 +310,7 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
     return fb, compute
 
 
-# A VM's scheduling row, inserted in its claim's transaction.
-_INSERT_SCHED = Prepared(insert(VMSCHED).values({c.name: bindparam(c.name, type_=c.type) for c in VMSCHED.columns}))
-
-
-def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
+def attach(conn: Tx, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
            history: Mapping[str, Any] | None = None) -> None:
     """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
     re-admitted victim's cool-down starts now. Whether it is borrowed is not recorded: it follows its tenant's
@@ -360,66 +319,60 @@ def attach(conn: Connection, catalog: Any, vm_id: str, tenant_id: int, cls: Prio
     h = history or {}
     now = time.time()
     protected = h.get("protected_below")  # a requeued victim: its cool-down runs from this admission
-    _INSERT_SCHED.run(conn, {
-        "vm_id": vm_id, "tenant_id": tenant_id, "class_name": cls.name or None, "priority": cls.value,
-        "preemptible": cls.preemptible, "admitted_at": now, "fb_gib": fb, "compute_slices": compute,
-        "preemptions": int(h.get("preemptions", 0)), "protected_below": protected,
-        "protected_until": now + float(h.get("cooldown_s", 0.0)) if protected is not None else None})
+    STORE.vm_sched.add_vm_sched(conn, VmSchedRow(
+        vm_id, tenant_id, cls.name or None, cls.value, cls.preemptible, now, fb, compute,
+        int(h.get("preemptions", 0)), protected,
+        now + float(h.get("cooldown_s", 0.0)) if protected is not None else None))
 
 
 # -- fair share -------------------------------------------------------------------------------------------------
 
-def fleet_capacity(conn: Connection, catalog: Any) -> tuple[float, float]:
+def fleet_capacity(conn: Tx, catalog: Any) -> tuple[float, float]:
     """The fleet's framebuffer GiB and compute slices (managed GPUs)."""
     fb = compute = 0.0
-    for model, n in conn.execute(select(alloc.GPU.c.model, func.count()).where(alloc.GPU.c.mode != "unmanaged")
-                                 .group_by(alloc.GPU.c.model)):
+    for model, n in STORE.scheduling.gpu_model_counts(conn):
         spec = catalog.model(model)
         fb += n * spec.memory_mib / 1024
         compute += n * (spec.mig.compute_slices if spec.mig is not None else DEFAULT_COMPUTE_SLICES)
     return fb, compute
 
 
-def usages(conn: Connection, now: float, half_life_s: float) -> dict[int, Usage]:
+def usages(conn: Tx, now: float, half_life_s: float) -> dict[int, Usage]:
     """Each tenant's decayed usage as of `now`: its folded ledger, its closed intervals, its VMs holding now."""
     out: dict[int, Usage] = {}
-    for r in conn.execute(select(LEDGER)):
+    for r in STORE.scheduling.ledger_rows(conn):
         out[r.tenant_id] = fold(Usage(r.fb_gib_h, r.compute_h), r.as_of, now, half_life_s)
     per: dict[int, list[Interval]] = {}
-    for r in conn.execute(select(INTERVAL)):
-        per.setdefault(r.tenant_id, []).append(Interval(r.started, r.ended, r.fb_gib, r.compute_slices))
-    for r in conn.execute(select(VMSCHED)):
-        per.setdefault(r.tenant_id, []).append(Interval(r.admitted_at, None, r.fb_gib, r.compute_slices))
+    for iv in STORE.scheduling.interval_rows(conn):
+        per.setdefault(iv.tenant_id, []).append(Interval(iv.started, iv.ended, iv.fb_gib, iv.compute_slices))
+    for h in STORE.vm_sched.holdings(conn):
+        per.setdefault(h.tenant_id, []).append(Interval(h.admitted_at, None, h.fb_gib, h.compute_slices))
     for t, ivs in per.items():
         out[t] = out.get(t, Usage()) + decayed_usage(ivs, now, half_life_s)
     return out
 
 
-def compact(conn: Connection, now: float, half_life_s: float) -> int:
+def compact(conn: Tx, now: float, half_life_s: float) -> int:
     """Fold every closed interval into its tenant's ledger as of `now` (exact: decay is multiplicative); how many
     were folded."""
-    rows = conn.execute(select(INTERVAL)).all()
+    rows = STORE.scheduling.interval_rows(conn)
     if not rows:
         return 0
     per: dict[int, list[Interval]] = {}
     for r in rows:
         per.setdefault(r.tenant_id, []).append(Interval(r.started, r.ended, r.fb_gib, r.compute_slices))
-    ledgers = {r.tenant_id: r for r in conn.execute(select(LEDGER))}
+    ledgers = {r.tenant_id: r for r in STORE.scheduling.ledger_rows(conn)}
     for t, ivs in per.items():
         old = ledgers.get(t)
         total = decayed_usage(ivs, now, half_life_s)
         if old is not None:
             total = total + fold(Usage(old.fb_gib_h, old.compute_h), old.as_of, now, half_life_s)
-            conn.execute(update(LEDGER).where(LEDGER.c.tenant_id == t)
-                         .values(fb_gib_h=total.fb_gib_h, compute_h=total.compute_h, as_of=now))
-        else:
-            conn.execute(insert(LEDGER).values(tenant_id=t, fb_gib_h=total.fb_gib_h, compute_h=total.compute_h,
-                                               as_of=now))
-    conn.execute(delete(INTERVAL).where(INTERVAL.c.id.in_([r.id for r in rows])))
+        STORE.scheduling.put_ledger(conn, LedgerRow(t, total.fb_gib_h, total.compute_h, now))
+    STORE.scheduling.drop_intervals(conn, [r.id for r in rows])
     return len(rows)
 
 
-def share_tree(conn: Connection, catalog: Any, now: float | None = None) -> tuple[list[ShareRow], dict[int, Usage]]:
+def share_tree(conn: Tx, catalog: Any, now: float | None = None) -> tuple[list[ShareRow], dict[int, Usage]]:
     """The Fair Tree rows of every tenant and account, and each tenant's raw decayed usage by id."""
     now = time.time() if now is None else now
     half_life = settings(conn)["half_life_s"]
@@ -427,10 +380,9 @@ def share_tree(conn: Connection, catalog: Any, now: float | None = None) -> tupl
     fleet_fb, fleet_compute = fleet_capacity(conn, catalog)
     # Accounts and tenants are separate namespaces: accounts' nodes are keyed name + ACCOUNT_KEY in the tree.
     members = [Member(r.name + ACCOUNT_KEY, r.parent + ACCOUNT_KEY if r.parent else None, int(r.shares),
-                      account=True) for r in conn.execute(select(ACCOUNT))]
+                      account=True) for r in STORE.scheduling.account_rows(conn)]
     names = {}
-    for t in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name, TSCHED.c.shares, TSCHED.c.account)
-                          .outerjoin(TSCHED, TSCHED.c.tenant_id == alloc.TENANT.c.id)):
+    for t in STORE.scheduling.tenant_shares(conn):
         names[t.id] = t.name
         members.append(Member(t.name, t.account + ACCOUNT_KEY if t.account else None, int(t.shares or 1),
                               dominant(raw.get(t.id, Usage()), fleet_fb, fleet_compute)))
@@ -441,13 +393,13 @@ def _plain(key: str | None) -> str | None:
     return key.removesuffix(ACCOUNT_KEY) if key is not None else None
 
 
-def share_report(conn: Connection, catalog: Any, principal: Principal,
+def share_report(conn: Tx, catalog: Any, principal: Principal,
                  now: float | None = None) -> list[dict[str, Any]]:
     """`sshare -l`: per account and tenant the shares (raw and among siblings), the decayed usage (raw GiB-hours
     and slice-hours, and as the dominant share among siblings), the level fairshare, and for tenants the rank and
     fair-share factor. A tenant caller sees only its own row."""
     rows, raw = share_tree(conn, catalog, now)
-    ids = {r.name: r.id for r in conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name))}
+    ids = {name: tenant_id for tenant_id, name in STORE.quotas.tenant_refs(conn)}
     out = []
     for r in rows:
         if principal.tenant is not None and (r.account or r.name != principal.tenant):
@@ -471,7 +423,7 @@ class Candidates(NamedTuple):
     class allows)."""
 
     holders: list[Holder]
-    rows: dict[str, Any]
+    rows: dict[str, HolderRow]
     modes: dict[str, str]
     unfreeable: list[str]
 
@@ -485,33 +437,26 @@ class Found(NamedTuple):
     cands: Candidates
 
 
-def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> Candidates:
+def _holders(conn: Tx, host_ids: Sequence[int], now: float) -> Candidates:
     """The VMs on these hosts that could be preempted (live: running or stopped, nobody working on them), each
     with the mode it would be freed by (its class's, or one keeping more of it, that its host supports for its
     profiles: `core.priority.victim_mode`), borrowed as its tenant's usage stands now (`borrowed_vms`)."""
     if not host_ids:
         return Candidates([], {}, {}, [])
-    rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.host_id, VM.c.vcpus, VM.c.memory_mib, VM.c.state,
-                               VM.c.lease_holder, VM.c.tenant_id, VMSCHED.c.priority, VMSCHED.c.preemptible,
-                               VMSCHED.c.admitted_at, VMSCHED.c.protected_below, VMSCHED.c.protected_until,
-                               VMSCHED.c.class_name, VMSCHED.c.preemptions, VM.c.pool_id, VM.c.spec,
-                               alloc.HOST.c.name.label("host_name"), alloc.HOST.c.victim_modes)
-                        .join(VMSCHED, VMSCHED.c.vm_id == VM.c.id).join(alloc.HOST, alloc.HOST.c.id == VM.c.host_id)
-                        .where(VM.c.host_id.in_(list(host_ids)), VM.c.state.in_(LIVE),
-                               VM.c.lease_holder.is_(None))).all()
+    rows = STORE.scheduling.free_vms_on(conn, host_ids, LIVE)
     devs: dict[str, list[tuple[int, int]]] = {}
     kinds: dict[str, tuple[set[str], set[str]]] = {}
     if rows:
-        for d in conn.execute(select(alloc.DEVICE.c.vm_id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start,
-                                     alloc.DEVICE.c.profile, alloc.DEVICE.c.backing)
-                              .where(alloc.DEVICE.c.vm_id.in_([r.id for r in rows]))):
+        for d in STORE.scheduling.device_kinds(conn, [r.id for r in rows]):
             devs.setdefault(d.vm_id, []).append((d.gpu_id, d.start))
             profiles, backings = kinds.setdefault(d.vm_id, (set(), set()))
             profiles.add(d.profile)
             backings.add(d.backing)
     borrowed = borrowed_vms(conn, {r.tenant_id for r in rows})
     known = classes(conn)
-    out, modes, unfreeable = [], {}, []
+    out: list[Holder] = []
+    modes: dict[str, str] = {}
+    unfreeable: list[str] = []
     for r in rows:
         profiles, backings = kinds.get(r.id, (set(), set()))
         supported, notes = supported_modes(r.victim_modes, profiles, backings, r.state == VmState.RUNNING)
@@ -530,7 +475,7 @@ def _holders(conn: Connection, host_ids: Sequence[int], now: float) -> Candidate
     return Candidates(out, {r.id: r for r in rows}, modes, unfreeable)
 
 
-def plan_preemption(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
+def plan_preemption(ctl: Controller, conn: Tx, req: VmRequest, cls: PriorityClass,
                     pools: Sequence[Any], reclaim: bool = False) -> Found | None:
     """The fewest victims over the request's pools (first pool with a set wins, as the claim tries pools in
     order), with the pool and the candidates; None when no allowed set makes room. With `reclaim`, only pools
@@ -573,20 +518,19 @@ def _delta(ctl: Controller, req: VmRequest) -> dict[str, int]:
     return claim.charge_of(ctl.catalog, req.profiles(), req.vcpus, req.memory_mib)
 
 
-def guarantees_of(conn: Connection, tenant_id: int, pool: str) -> dict[str, tuple[int, int]]:
+def _key(g: Guarantee) -> str:
+    """A guarantee's key: `RESOURCE` (global) or `RESOURCE@POOL` (a pool's)."""
+    return g.resource if g.scope is None else f"{g.resource}@{g.scope}"
+
+
+def guarantees_of(conn: Tx, tenant_id: int, pool: str) -> dict[str, tuple[int, int]]:
     """A tenant's guarantees that apply in a pool, by `RESOURCE` (global) and `RESOURCE@POOL` (the pool's own):
     (used, guarantee) each."""
-    t = conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.id == tenant_id)).one()._mapping
-    out = {r: (int(t[f"{r}_used"]), int(t[f"{r}_guarantee"])) for r in alloc.GUARANTEED
-           if t[f"{r}_guarantee"] is not None}
-    for q in conn.execute(select(alloc.SCOPED).where(alloc.SCOPED.c.tenant_id == tenant_id,
-                                                     alloc.SCOPED.c.scope == pool,
-                                                     alloc.SCOPED.c.guarantee.is_not(None))):
-        out[f"{q.resource}@{pool}"] = (int(q.used), int(q.guarantee))
-    return out
+    return {_key(g): (g.used, g.guarantee) for g in STORE.scheduling.guarantees(conn, [tenant_id], alloc.GUARANTEED,
+                                                                                 pool)}
 
 
-def within_guarantee(conn: Connection, tenant_id: int, delta: Mapping[str, int], pool: str) -> bool:
+def within_guarantee(conn: Tx, tenant_id: int, delta: Mapping[str, int], pool: str) -> bool:
     """Whether a request charging `delta` in `pool` keeps its tenant within every guarantee that applies there
     (and the tenant has one): such a request may reclaim what others borrow."""
     g = guarantees_of(conn, tenant_id, pool)
@@ -594,21 +538,12 @@ def within_guarantee(conn: Connection, tenant_id: int, delta: Mapping[str, int],
                            for key, (used, guarantee) in g.items())
 
 
-def _guarantees(conn: Connection, tenant_ids: Collection[int]) -> dict[int, tuple[dict[str, int], dict[str, int]]]:
+def _guarantees(conn: Tx, tenant_ids: Collection[int]) -> dict[int, tuple[dict[str, int], dict[str, int]]]:
     """Per tenant with a guarantee: (used, guarantee) by `RESOURCE` (global) and `RESOURCE@POOL` (a pool's)."""
     out: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
-    if not tenant_ids:
-        return out
-    for t in conn.execute(select(alloc.TENANT).where(alloc.TENANT.c.id.in_(list(tenant_ids)))):
-        m = t._mapping
-        for r in alloc.GUARANTEED:
-            if m[f"{r}_guarantee"] is not None:
-                used, guarantee = out.setdefault(t.id, ({}, {}))
-                used[r], guarantee[r] = int(m[f"{r}_used"]), int(m[f"{r}_guarantee"])
-    for q in conn.execute(select(alloc.SCOPED).where(alloc.SCOPED.c.tenant_id.in_(list(tenant_ids)),
-                                                     alloc.SCOPED.c.guarantee.is_not(None))):
-        used, guarantee = out.setdefault(q.tenant_id, ({}, {}))
-        used[f"{q.resource}@{q.scope}"], guarantee[f"{q.resource}@{q.scope}"] = int(q.used), int(q.guarantee)
+    for g in STORE.scheduling.guarantees(conn, tenant_ids, alloc.GUARANTEED):
+        used, guarantee = out.setdefault(g.tenant_id, ({}, {}))
+        used[_key(g)], guarantee[_key(g)] = g.used, g.guarantee
     return out
 
 
@@ -621,51 +556,44 @@ def _charge(spec: Any, pool: str | None) -> dict[str, int]:
     return out
 
 
-def borrowed_vms(conn: Connection, tenant_ids: Collection[int]) -> set[str]:
+def borrowed_vms(conn: Tx, tenant_ids: Collection[int]) -> set[str]:
     """The VMs of these tenants that are borrowed now (`core.preemption.borrowed_now`): each tenant's VMs that
     hold quota, oldest admission first, past a guarantee with their elders' charges; so when a tenant's older VM
     goes, newer work it holds within the guarantee is guaranteed again."""
     g = _guarantees(conn, tenant_ids)
     if not g:
         return set()
-    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
     per: dict[int, list[tuple[str, dict[str, int]]]] = {}
-    for r in conn.execute(select(VM.c.id, VM.c.tenant_id, VM.c.spec, VM.c.pool_id)
-                          .outerjoin(VMSCHED, VMSCHED.c.vm_id == VM.c.id)
-                          .where(VM.c.tenant_id.in_(list(g)), VM.c.state.in_(HOLDS_CLAIM))
-                          .order_by(func.coalesce(VMSCHED.c.admitted_at, 0.0), VM.c.id)):
-        per.setdefault(r.tenant_id, []).append((r.id, _charge(r.spec, pools.get(r.pool_id))))
+    for r in STORE.scheduling.claim_charges(conn, list(g), HOLDS_CLAIM):
+        per.setdefault(r.tenant_id, []).append((r.id, _charge(r.spec, r.pool)))
     out: set[str] = set()
     for t, charges in per.items():
         out |= borrowed_now(charges, g[t][1])
     return out
 
 
-def lender_floor(conn: Connection, rows: Mapping[str, Any]) -> Callable[[Sequence[Holder]], bool]:
+def lender_floor(conn: Tx, rows: Mapping[str, HolderRow]) -> Callable[[Sequence[Holder]], bool]:
     """The set-wide rule of a reclaim: the victims (of `rows`) leave each lender at or above every guarantee it
     has (`core.preemption.keeps_floor`), counting what they charge globally and in their pools."""
     g = _guarantees(conn, {r.tenant_id for r in rows.values()})
-    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
 
     def keep(victims: Sequence[Holder]) -> bool:
         freed: dict[int, dict[str, int]] = {}
         for v in victims:
             r = rows[v.vm_id]
             acc = freed.setdefault(r.tenant_id, {})
-            for k, n in _charge(r.spec, pools.get(r.pool_id)).items():
+            for k, n in _charge(r.spec, r.pool).items():
                 acc[k] = acc.get(k, 0) + n
         return all(keeps_floor(*g[t], f) for t, f in freed.items() if t in g)
     return keep
 
 
-def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], pool: str,
+def reclaim_check(conn: Tx, tenant_id: int, delta: Mapping[str, int], pool: str,
                   victims: Sequence[Holder]) -> bool:
     """Whether reclaiming `victims` for a request of the tenant (charging `delta` in `pool`) makes sharing
     strictly fairer: the borrowed shares of the reclaimer and of the victims' tenants, largest first, go down
     (`core.preemption.strictly_improves`); so a reclaim can never be undone by a reclaim back."""
-    vm_rows = {r.id: r for r in conn.execute(select(VM.c.id, VM.c.tenant_id, VM.c.spec, VM.c.pool_id).where(
-        VM.c.id.in_([v.vm_id for v in victims])))}
-    pool_names = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
+    vm_rows = {r.id: r for r in STORE.scheduling.vm_charges(conn, [v.vm_id for v in victims])}
     before: dict[str, float] = {}
     after: dict[str, float] = {}
 
@@ -684,7 +612,7 @@ def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], po
         if r is None:
             continue
         spec = r.spec if isinstance(r.spec, dict) else {}
-        key = (int(r.tenant_id), str(pool_names.get(r.pool_id, "")))
+        key = (int(r.tenant_id), r.pool or "")
         acc = freed.setdefault(key, {})
         for res, n in dict(spec.get("delta") or {}).items():
             acc[res] = acc.get(res, 0) - int(n)
@@ -694,21 +622,25 @@ def reclaim_check(conn: Connection, tenant_id: int, delta: Mapping[str, int], po
     return strictly_improves(before, after)
 
 
-def _victims(conn: Connection, found: Found) -> tuple[Victim, ...]:
+def _victims(conn: Tx, found: Found) -> tuple[Victim, ...]:
     out = []
     for h in found.pre.victims:
         r = found.cands.rows[h.vm_id]
-        tenant = conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == r.tenant_id)).scalar()
-        devices = tuple(f"{d.profile}@{d.pci_address}+{d.start}" for d in conn.execute(
-            select(alloc.DEVICE.c.profile, alloc.DEVICE.c.start, alloc.GPU.c.pci_address)
-            .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id).where(alloc.DEVICE.c.vm_id == h.vm_id)
-            .order_by(alloc.GPU.c.pci_address, alloc.DEVICE.c.start)))
+        tenant = STORE.tenants.tenant_name(conn, r.tenant_id)
+        devices = tuple(f"{d.profile}@{d.pci_address}+{d.start}" for d in
+                        STORE.scheduling.device_places(conn, h.vm_id))
         out.append(Victim(h.vm_id, str(tenant), r.name, str(r.host_name), r.class_name, h.priority,
                           found.cands.modes[h.vm_id], devices))
     return tuple(out)
 
 
-def _pools_for(ctl: Controller, conn: Connection, req: VmRequest) -> list[Any]:
+def _host_name(conn: Tx, found: Found) -> str | None:
+    """The name of the host a preemption plan places its request on."""
+    ref = STORE.vms.host_of(conn, found.pre.plan.host_id)
+    return ref[0] if ref is not None else None
+
+
+def _pools_for(ctl: Controller, conn: Tx, req: VmRequest) -> list[Any]:
     ask = claim.read_ask(ctl, conn, req)
     if isinstance(ask, claim.AlreadyMade):
         return []
@@ -731,8 +663,8 @@ def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
             found, reason = plan_preemption(ctl, conn, req, cls, pools), "capacity"
         if found is None:
             raise _no_victims(ctl, conn, req, cls, pools)
-        host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
-        return PreemptionPlan(cls.name or None, cls.value, found.pool.name, host, _victims(conn, found),
+        return PreemptionPlan(cls.name or None, cls.value, found.pool.name, _host_name(conn, found),
+                              _victims(conn, found),
                               "fits without preemption" if not found.pre.victims else reason)
 
 
@@ -767,7 +699,7 @@ def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
         raise NoCapacity(f"{exc.message}; {again.message}", reasons=[*exc.reasons, *again.reasons]) from None
 
 
-def _no_victims(ctl: Controller, conn: Connection, req: VmRequest, cls: PriorityClass,
+def _no_victims(ctl: Controller, conn: Tx, req: VmRequest, cls: PriorityClass,
                 pools: Sequence[Any]) -> NoCapacity:
     """Why preempting does not help, naming the preemptible VMs of the request's hosts that no mode frees."""
     if not req.vgpus:
@@ -811,7 +743,7 @@ def grace_stop(ctl: Controller, host: Any, domain: str, grace_s: float) -> bool:
     return True
 
 
-def _requeue_request(vm: Any, tenant: str, victim: Victim, preemptor: int, cooldown_s: float,
+def _requeue_request(vm: VmRow, tenant: str, victim: Victim, preemptor: int, cooldown_s: float,
                      history: Mapping[str, Any]) -> dict[str, Any]:
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     return {"tenant": tenant, "name": vm.name, "vgpus": [{"profile": p, "count": n} for p, n in spec.get("vgpus", [])],
@@ -834,10 +766,10 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
         if found is None or not found.pre.victims:
             if found is None:
                 raise _no_reclaim(req) if reason == "reclaim" else _no_victims(ctl, conn, req, cls, pools)
-            host = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
-            return PreemptionPlan(cls.name or None, cls.value, found.pool.name, host, (), "fits without preemption")
+            return PreemptionPlan(cls.name or None, cls.value, found.pool.name, _host_name(conn, found), (),
+                                  "fits without preemption")
         victims = _victims(conn, found)
-        host_name = conn.execute(select(alloc.HOST.c.name).where(alloc.HOST.c.id == found.pre.plan.host_id)).scalar()
+        host_name = _host_name(conn, found)
         conf = settings(conn)
     result = PreemptionPlan(cls.name or None, cls.value, found.pool.name, host_name, victims, reason)
     with ctl.tx() as conn:  # the whole story for the admin; each tenant sees only its own side (below)
@@ -856,15 +788,14 @@ def _free_victim(ctl: Controller, v: Victim, cls: PriorityClass, reason: str, co
     victim; audited `vm.preempted` in its tenant, `failed` (and not queued) when it could not be freed."""
     from vgpu_ctl.service.provision import domain_name, release_vm
     with ctl.engine.connect() as conn:
-        vm = conn.execute(select(VM).where(VM.c.id == v.vm_id)).first()
-        host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).first() if vm else None
-        hist = conn.execute(select(VMSCHED).where(VMSCHED.c.vm_id == v.vm_id)).first()
+        vm = STORE.vms.vm_row(conn, v.vm_id)
+        host = STORE.moves.host_row(conn, vm.host_id) if vm and vm.host_id is not None else None
+        preemptions = STORE.vm_sched.preemptions(conn, v.vm_id)
     if vm is None or host is None:
         return  # gone meanwhile: it freed its room already
     queued = None
     if v.mode in (PreemptionMode.REQUEUE.value, PreemptionMode.HIBERNATE.value):
-        queued = _requeue_request(vm, v.tenant, v, cls.value, conf["cooldown_s"],
-                                  {"preemptions": hist.preemptions if hist else 0})
+        queued = _requeue_request(vm, v.tenant, v, cls.value, conf["cooldown_s"], {"preemptions": preemptions})
         queued["resume"] = v.mode == PreemptionMode.HIBERNATE.value
     op_id = None
     if queued is not None:  # queued first: a crash after it loses no victim (admission waits for the VM to go)
@@ -894,23 +825,19 @@ def _free_victim(ctl: Controller, v: Victim, cls: PriorityClass, reason: str, co
 
 # -- the queue --------------------------------------------------------------------------------------------------
 
-def _enqueue(conn: Connection, principal: Principal, tenant_id: int, request: Mapping[str, Any],
+def _enqueue(conn: Tx, principal: Principal, tenant_id: int, request: Mapping[str, Any],
              vm_id: str | None, reason: dict[str, Any] | None = None) -> str:
     now = utcnow()
     op_id = str(uuid.uuid4())
-    conn.execute(OPERATION.insert().values(
-        id=op_id, kind="vm.create", state="pending", actor=principal.actor, role=principal.role,
-        tenant_id=tenant_id, vm_id=vm_id, request=dict(request), lease_holder=QUEUE_HOLDER, lease_expires=None,
-        attempts=0, created_at=now, updated_at=now, error=reason))
+    STORE.operations.add_operation(conn, OperationRow(
+        op_id, "vm.create", "pending", principal.actor, principal.role, tenant_id, vm_id, dict(request), None,
+        reason, QUEUE_HOLDER, None, 0, now, now, None))
     return op_id
 
 
-def _drop_queued(conn: Connection, op_id: str, why: str, code: str = "cancelled") -> None:
+def _drop_queued(conn: Tx, op_id: str, why: str, code: str = "cancelled") -> None:
     """End a queued operation as failed with `why` (error code `code`)."""
-    now = utcnow()
-    conn.execute(update(OPERATION).where(OPERATION.c.id == op_id, OPERATION.c.state == "pending")
-                 .values(state="failed", lease_holder=None, updated_at=now, finished_at=now,
-                         error={"code": code, "message": why, "reasons": []}))
+    STORE.scheduling.drop_queued(conn, op_id, {"code": code, "message": why, "reasons": []}, utcnow())
 
 
 def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None = None,
@@ -929,12 +856,11 @@ def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None 
     return op_id
 
 
-def _queued_rows(conn: Connection) -> list[Any]:
-    return list(conn.execute(select(OPERATION).where(OPERATION.c.state == "pending",
-                                                     OPERATION.c.lease_holder == QUEUE_HOLDER)).all())
+def _queued_rows(conn: Tx) -> list[OperationRow]:
+    return STORE.scheduling.queued(conn, QUEUE_HOLDER)
 
 
-def queue_order(conn: Connection, catalog: Any) -> list[tuple[Any, PriorityClass, float]]:
+def queue_order(conn: Tx, catalog: Any) -> list[tuple[OperationRow, PriorityClass, float]]:
     """The queued requests in admission order: priority (highest first), then fair share (highest factor
     first), then age; each with its class and its tenant's factor."""
     rows = _queued_rows(conn)
@@ -943,7 +869,7 @@ def queue_order(conn: Connection, catalog: Any) -> list[tuple[Any, PriorityClass
     known = classes(conn)
     tree, _ = share_tree(conn, catalog)
     factor = {r.name: r.factor or 0.0 for r in tree if not r.account}
-    names = dict(conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)).all())
+    names: dict[int | None, str] = dict(STORE.quotas.tenant_refs(conn))
     out = []
     for r in rows:
         asked = r.request.get("priority")
@@ -953,18 +879,18 @@ def queue_order(conn: Connection, catalog: Any) -> list[tuple[Any, PriorityClass
     return out
 
 
-def _default_for(conn: Connection, tenant_id: int, known: Mapping[str, PriorityClass]) -> PriorityClass:
-    ts = tenant_settings(conn, tenant_id)
+def _default_for(conn: Tx, tenant_id: int | None, known: Mapping[str, PriorityClass]) -> PriorityClass:
+    ts = tenant_settings(conn, tenant_id) if tenant_id is not None else {}
     try:
-        return resolve_class(None, known, ts["priority_classes"], ts["default_priority"])
+        return resolve_class(None, known, ts.get("priority_classes"), ts.get("default_priority"))
     except InvalidInput:
         return NO_CLASS
 
 
-def queue_report(conn: Connection, catalog: Any, principal: Principal) -> list[dict[str, Any]]:
+def queue_report(conn: Tx, catalog: Any, principal: Principal) -> list[dict[str, Any]]:
     """What waits, in admission order: position, tenant, name, class and value, fair-share factor, since when,
     whether it is a preempted VM requeued (and hibernated: it resumes on its host), and why it waits."""
-    names = dict(conn.execute(select(alloc.TENANT.c.id, alloc.TENANT.c.name)).all())
+    names: dict[int | None, str] = dict(STORE.quotas.tenant_refs(conn))
     out = []
     for pos, (r, cls, factor) in enumerate(queue_order(conn, catalog), start=1):
         if principal.tenant_id is not None and r.tenant_id != principal.tenant_id:
@@ -1003,10 +929,7 @@ def admit_queued(ctl: Controller) -> list[str]:
             continue
         claim_holder = f"admit-{uuid.uuid4()}"
         with ctl.tx() as conn:  # take it: one admitter per queued request
-            took = conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.state == "pending",
-                                                        OPERATION.c.lease_holder == QUEUE_HOLDER)
-                                .values(lease_holder=claim_holder, updated_at=utcnow()))
-            if took.rowcount != 1:
+            if not STORE.scheduling.take_queued(conn, row.id, QUEUE_HOLDER, claim_holder, utcnow()):
                 continue
         req = VmRequest(q["tenant"], q["name"], tuple(VgpuRequest(v["profile"], v["count"]) for v in q["vgpus"]),
                         q["vcpus"], q["memory_mib"], q.get("pool"), dict(q.get("labels") or {}),
@@ -1025,11 +948,10 @@ def admit_queued(ctl: Controller) -> list[str]:
         now = utcnow()
         with ctl.tx() as conn:
             done = state != "pending"
-            conn.execute(update(OPERATION).where(OPERATION.c.id == row.id, OPERATION.c.lease_holder == claim_holder)
-                         .values(state=state, result=result, error=error, updated_at=now,
-                                 lease_holder=None if done else QUEUE_HOLDER, attempts=OPERATION.c.attempts + 1,
-                                 finished_at=now if done else None,
-                                 vm_id=result["id"] if result else row.vm_id))
+            STORE.scheduling.end_admission(conn, row.id, claim_holder, state,
+                                           holder_after=None if done else QUEUE_HOLDER,
+                                           vm_id=result["id"] if result else row.vm_id, result=result, error=error,
+                                           now=now)
             if state == "succeeded":
                 record(conn, ctl.principal.actor, "vm.admit", f"vm:{result['id'] if result else ''}",
                        tenant=q["tenant"], params={"operation": row.id, "name": q["name"],
@@ -1037,13 +959,13 @@ def admit_queued(ctl: Controller) -> list[str]:
     return admitted
 
 
-def _victim_gone(ctl: Controller, row: Any, q: Mapping[str, Any], wait_s: float) -> bool:
+def _victim_gone(ctl: Controller, row: OperationRow, q: Mapping[str, Any], wait_s: float) -> bool:
     """Whether a preempted victim's queued request may be tried now: a requeued VM must be gone (released), a
     hibernated one hibernated. While its preemption may still run (releasing, or younger than `wait_s`) it
     waits; past that, a victim the preemption never freed (a crash, a failed save) or a hibernated VM deleted
     meanwhile drops its request."""
     with ctl.engine.connect() as conn:
-        still = conn.execute(select(VM.c.state).where(VM.c.id == row.vm_id)).first()
+        still = STORE.vms.vm_row(conn, row.vm_id or "")
     if q.get("resume") and still is not None and still.state == VmState.HIBERNATED:
         return True
     if not q.get("resume") and still is None:
@@ -1093,11 +1015,9 @@ def capacity_freed(ctl: Controller) -> list[str]:
 
 def _capacity_freed(ctl: Controller) -> list[str]:
     with ctl.engine.connect() as conn:
-        waiting = conn.execute(select(func.count()).select_from(OPERATION)
-                               .where(OPERATION.c.state == "pending", OPERATION.c.lease_holder == QUEUE_HOLDER)
-                               ).scalar()
-        closed = conn.execute(select(func.count()).select_from(INTERVAL)).scalar()
-    if closed and closed >= COMPACT_AT:
+        waiting = STORE.scheduling.queued_count(conn, QUEUE_HOLDER)
+        closed = STORE.scheduling.interval_count(conn)
+    if closed >= COMPACT_AT:
         with ctl.tx() as conn:
             compact(conn, time.time(), settings(conn)["half_life_s"])
     return admit_queued(ctl) if waiting else []
@@ -1107,7 +1027,7 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
     """Take a queued request out of the queue (its operation fails as cancelled); NotFound if it is not
     queued or not the caller's."""
     with ctl.tx() as conn:
-        row = conn.execute(select(OPERATION).where(OPERATION.c.id == op_id)).first()
+        row = STORE.operations.operation(conn, op_id)
         if row is None or row.state != "pending" or row.lease_holder != QUEUE_HOLDER or (
                 ctl.principal.tenant_id is not None and row.tenant_id != ctl.principal.tenant_id):
             raise NotFound(f"queued request {op_id!r} not found", reasons=[{"field": "operation", "value": op_id}])
@@ -1118,12 +1038,10 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
 
 # -- metrics ----------------------------------------------------------------------------------------------------
 
-def preemption_counts(conn: Connection) -> dict[tuple[str, str], int]:
+def preemption_counts(conn: Tx) -> dict[tuple[str, str], int]:
     """Preemptions done so far by (reason, mode), counted from the audit trail (every replica's)."""
-    from vgpu_ctl.store.tables import EVENT
     out: dict[tuple[str, str], int] = {}
-    for params, in conn.execute(select(EVENT.c.params).where(EVENT.c.action == "vm.preempted",
-                                                             EVENT.c.result == "ok")):
+    for params in STORE.scheduling.event_params(conn, "vm.preempted", "ok"):
         p = params if isinstance(params, dict) else {}
         key = (str(p.get("reason", "unknown")), str(p.get("mode", "unknown")))
         out[key] = out.get(key, 0) + 1

@@ -17,6 +17,7 @@ from vgpu_ctl.store import (
     moves,
     operations,
     quotas,
+    scheduling,
     tenants,
     tokens,
     utilization,
@@ -40,6 +41,7 @@ class SqlStore:
     moves: Final = moves
     operations: Final = operations
     quotas: Final = quotas
+    scheduling: Final = scheduling
     tenants: Final = tenants
     utilization: Final = utilization
     vms: Final = vms
