@@ -9,9 +9,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from sqlalchemy import select, update
-from sqlalchemy.engine import Connection, Engine
-
 from vgpu_ctl.catalog import Catalog, ProfileInfo
 from vgpu_ctl.core.placement import (
     DevicePlacement,
@@ -34,9 +31,9 @@ from vgpu_ctl.service import claim as claims
 from vgpu_ctl.service import operations as ops
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.context import ServiceContext
-from vgpu_ctl.service.inventory_apply import POOL, apply_inventory
+from vgpu_ctl.service.inventory_apply import apply_inventory
 from vgpu_ctl.service.leases import check_generation, new_holder
-from vgpu_ctl.service.ports import STORE
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.principals import (
     Principal,
     authenticate,
@@ -46,7 +43,7 @@ from vgpu_ctl.service.principals import (
     new_token,
     revoke_api_token,
 )
-from vgpu_ctl.service.quotas import VM, repair_usage, set_limits, usage_report
+from vgpu_ctl.service.quotas import repair_usage, set_limits, usage_report
 from vgpu_ctl.service.requests import (
     BASE_RESOURCES,
     DeviceInfo,
@@ -56,6 +53,7 @@ from vgpu_ctl.service.requests import (
     VmRequest,
 )
 from vgpu_ctl.store.tenants import TenantRow
+from vgpu_ctl.store.unit import StoreEngine
 from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
@@ -71,7 +69,7 @@ _ID_PREFIX = re.compile(r"[0-9a-f][0-9a-f-]{3,35}")  # at least 4 characters of 
 class Controller:
     """vgpu-ctl's service API: inventory, tenants and quotas, VM placement and lifecycle."""
 
-    def __init__(self, url: str | None = None, *, engine: Engine | None = None, catalog: Catalog | None = None,
+    def __init__(self, url: str | None = None, *, engine: StoreEngine | None = None, catalog: Catalog | None = None,
                  token: str | None = None, actor: str | None = None, host_factory: Any = None,
                  state_path: Path | None = None, init: bool = True, context: ServiceContext | None = None,
                  principal: Principal | None = None) -> None:
@@ -111,7 +109,7 @@ class Controller:
         self._admin("init")
         return self.ctx.upgrade(refresh_fit_masks)
 
-    def tx(self) -> AbstractContextManager[Connection]:
+    def tx(self) -> AbstractContextManager[Tx]:
         """One transaction (SQLite: taken with BEGIN IMMEDIATE, in turn with this store's other controllers)."""
         return self.ctx.tx()
 
@@ -145,13 +143,13 @@ class Controller:
             raise PermissionDenied(f"{what} changes the store; a reader token ({self.principal.actor}) may only "
                                    "read", reasons=[{"field": "role", "value": "reader"}])
 
-    def _tenant_row(self, conn: Connection, name: str) -> TenantRow:
+    def _tenant_row(self, conn: Tx, name: str) -> TenantRow:
         row = STORE.tenants.tenant_by_name(conn, name)
         self._visible_tenant(name, row.id if row is not None else None)
         assert row is not None
         return row
 
-    def _tenant_id(self, conn: Connection, name: str) -> int:
+    def _tenant_id(self, conn: Tx, name: str) -> int:
         return self._visible_tenant(name, STORE.tenants.tenant_id(conn, name))
 
     def _visible_tenant(self, name: str, tenant_id: int | None) -> int:
@@ -468,8 +466,8 @@ class Controller:
         if not provision:
             return claimed.vm  # just claimed: what the claim wrote, without reading it back
         from vgpu_ctl.service.provision import provision_vm
-        provision_vm(self, claimed.vm.id, req.lease_holder)
-        return self.get_vm(claimed.vm.id)
+        provisioned = provision_vm(self, claimed.vm.id, req.lease_holder)  # the VM as provisioned, not read back
+        return provisioned if provisioned is not None else self.get_vm(claimed.vm.id)
 
     def placement_candidates(self, tenant: str, vgpus: Sequence[VgpuRequest | tuple[str, int]], *, vcpus: int,
                              memory_mib: int, pool: str | None = None, labels: Mapping[str, str] | None = None,
@@ -516,7 +514,7 @@ class Controller:
         from vgpu_ctl.service.provision import provision_vm
         with self.engine.connect() as conn:
             vm = self._vm_row(conn, vm_id)
-            pool = conn.execute(select(POOL.c.name).where(POOL.c.id == vm.pool_id)).scalar()
+            pool = STORE.vms.pool_name(conn, vm.pool_id) if vm.pool_id is not None else None
         spec = vm.spec if isinstance(vm.spec, dict) else {}
         asked = sorted((v.profile, v.count) for v in req.vgpus)
         differs = [f for f, same in (
@@ -576,11 +574,9 @@ class Controller:
         req.validate()
         with self.write_turn(), self.engine.connect() as conn, conn.begin():
             t_id = self._tenant_id(conn, claim.tenant)
-            if conn.execute(select(VM.c.id).where(VM.c.id == claim.vm_id)).first() is not None:
+            if STORE.vms.vm_row(conn, claim.vm_id) is not None:
                 raise Conflict(f"VM {claim.vm_id} of domain {domain.name!r} is already in this store", reasons=where)
-            gpus = {g.pci_address: g for g in conn.execute(
-                select(alloc.GPU).join(alloc.HOST, alloc.HOST.c.id == alloc.GPU.c.host_id)
-                .where(alloc.HOST.c.name == host))}
+            gpus = STORE.hosts.gpus_of_host(conn, host)
             missing = sorted({d.gpu_pci for d in claim.devices} - set(gpus))
             pool_ids = {gpus[d.gpu_pci].pool_id for d in claim.devices if d.gpu_pci in gpus}
             if missing or len(pool_ids) != 1 or None in pool_ids:
@@ -607,25 +603,20 @@ class Controller:
                 raise alloc.quota_refusal(conn, t_id, req.tenant, {}, failed, charges)
             cls = claims.take(conn, t_id, req, chosen, page)
             claims.record_vm(self, conn, t_id, req, pool, chosen, page, delta, charges, cls)
-            rows = conn.execute(select(alloc.DEVICE.c.id, alloc.DEVICE.c.gpu_id, alloc.DEVICE.c.start)
-                                .where(alloc.DEVICE.c.vm_id == claim.vm_id)).all()
-            by_position = {(r.gpu_id, r.start): r.id for r in rows}
+            by_position = {(r.gpu_id, r.start): r.id for r in STORE.vms.vm_devices(conn, claim.vm_id)}
             for d in claim.devices:  # the devices exist on the host: recorded as the domain has them
                 mdev = "-" in d.host_ref
                 handle = {"backing": d.backing, "uuid": d.host_ref if mdev else None,
                           "pci_address": None if mdev else d.host_ref, "gpu_instance_id": None}
-                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == by_position[(gpus[d.gpu_pci].id,
-                                                                                          d.start)])
-                             .values(id=d.device_id, uuid=d.host_ref if mdev else d.device_id, state="ready",
-                                     handle=handle))
-            conn.execute(update(VM).where(VM.c.id == claim.vm_id).values(
-                state=(VmState.RUNNING if domain.active else VmState.STOPPED).value, domain_uuid=domain.uuid,
-                lease_holder=None, lease_expires=None))
+                STORE.vms.adopt_device(conn, by_position[(gpus[d.gpu_pci].id, d.start)], d.device_id,
+                                       d.host_ref if mdev else d.device_id, handle)
+            STORE.vms.set_adopted(conn, claim.vm_id, (VmState.RUNNING if domain.active else VmState.STOPPED).value,
+                                  domain.uuid)
             record(conn, self.principal.actor, "vm.adopt", f"vm:{claim.vm_id}", tenant=claim.tenant,
                    params={"name": req.name, "host": host, "domain": domain.name, "active": domain.active})
         return self.get_vm(claim.vm_id)
 
-    def _vm_row(self, conn: Connection, ref: str) -> VmRow:
+    def _vm_row(self, conn: Tx, ref: str) -> VmRow:
         vms = STORE.vms
         if "/" in ref:
             tname, _, vname = ref.partition("/")
@@ -648,7 +639,7 @@ class Controller:
                                reasons=[{"field": "vm", "value": ref}])
         return rows[0]
 
-    def _vm_info(self, conn: Connection, vm: VmRow) -> VmInfo:
+    def _vm_info(self, conn: Tx, vm: VmRow) -> VmInfo:
         host = STORE.vms.host_of(conn, vm.host_id) if vm.host_id else None
         pool = STORE.vms.pool_name(conn, vm.pool_id) if vm.pool_id else None
         devices = tuple(DeviceInfo(d.id, f"{host[0] if host else '?'}/{d.pci_address}", d.gpu_id, d.profile,

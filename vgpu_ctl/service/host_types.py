@@ -12,24 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table, select
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.catalog import Catalog, ProfileKind
 from vgpu_ctl.core.geometry import fit_mask
-from vgpu_ctl.errors import VgpuCtlError
+from vgpu_ctl.errors import NotFound, VgpuCtlError
 from vgpu_ctl.hosts.discovery import DiscoveredGpu, Discovery, discover_host
-from vgpu_ctl.service.allocation import GPU, HOST, occupancy_of
+from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.fit_masks import lacks_bits
-from vgpu_ctl.store.models import GpuTypeId, utcnow
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.host_types import KINDS, TypedGpu, TypeIds
+from vgpu_ctl.store.host_types import TYPE_ID as TYPE_ID  # the table, for the tests that empty it
+from vgpu_ctl.store.hosts import HostRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
-TYPE_ID: Table = GpuTypeId.__table__  # type: ignore[attr-defined]
-KINDS = ("mdev", "vfio", "mig")
 Change = dict[str, Any]
-TypeIds = dict[str, dict[str, str]]  # kind -> profile -> the host's id
 
 
 def discover_hosts(ctl: Controller, hosts: Iterable[Any]) -> dict[str, Discovery | str]:
@@ -46,13 +43,9 @@ def discover_hosts(ctl: Controller, hosts: Iterable[Any]) -> dict[str, Discovery
     return out
 
 
-def stored_ids(conn: Connection, gpu_id: int) -> TypeIds:
+def stored_ids(conn: Tx, gpu_id: int) -> TypeIds:
     """The ids recorded for a GPU, by kind and profile."""
-    out: TypeIds = {k: {} for k in KINDS}
-    for r in conn.execute(select(TYPE_ID.c.kind, TYPE_ID.c.profile, TYPE_ID.c.type_id)
-                          .where(TYPE_ID.c.gpu_id == gpu_id)):
-        out[r.kind][r.profile] = r.type_id
-    return out
+    return STORE.host_types.type_ids(conn, (gpu_id,))[gpu_id]
 
 
 def _found_ids(catalog: Catalog, model: str, g: DiscoveredGpu) -> TypeIds:
@@ -99,16 +92,16 @@ def _advice(kind: str, gpu: Any, g: DiscoveredGpu, found: TypeIds, driver: str |
             "MIG on)")
 
 
-def record_discovery(conn: Connection, catalog: Catalog, d: Discovery) -> list[Change]:
+def record_discovery(conn: Tx, catalog: Catalog, d: Discovery) -> list[Change]:
     """Store what host `d.name` calls each profile of its GPUs in the store; the changes and the findings."""
     label = d.name
-    host = conn.execute(select(HOST.c.id, HOST.c.vgpu_backing).where(HOST.c.name == d.name)).first()
+    host = STORE.hosts.host_named(conn, d.name)
     if host is None:
         return []
     changes: list[Change] = []
     by_pci = {g.pci: g for g in d.gpus}
     backing = "vfio" if host.vgpu_backing == "vfio" else "mdev"
-    for gpu in conn.execute(select(GPU).where(GPU.c.host_id == host.id).order_by(GPU.c.pci_address)).all():
+    for gpu in STORE.host_types.discovered_gpus(conn, host.id):
         name = f"{label}/{gpu.pci_address}"
         g = by_pci.get(gpu.pci_address)
         if g is None or g.model != gpu.model:
@@ -166,7 +159,7 @@ def _unfilled(catalog: Catalog, gpu: Any, lacked: Mapping[str, str]) -> dict[str
     return out
 
 
-def _keep_out(conn: Connection, catalog: Catalog, gpu: Any, lacked: Mapping[str, str]) -> None:
+def _keep_out(conn: Tx, catalog: Catalog, gpu: TypedGpu, lacked: Mapping[str, str]) -> None:
     """Record the profiles a GPU's host lacks type ids for (with what to do) and take them out of its fit mask,
     so placement never picks the GPU for them (see service.fit_masks); the GPU's version moves on, so a claim
     planned on the old mask retries."""
@@ -174,33 +167,27 @@ def _keep_out(conn: Connection, catalog: Catalog, gpu: Any, lacked: Mapping[str,
     stored = gpu.lacked_types or {}
     if lacks == gpu.lacks and dict(lacked) == stored:
         return
-    fits = fit_mask(occupancy_of(catalog, gpu._mapping)) & ~lacks
-    conn.execute(GPU.update().where(GPU.c.id == gpu.id).values(
-        lacks=lacks, lacked_types=dict(sorted(lacked.items())) or None, fits=fits, version=GPU.c.version + 1))
+    fits = fit_mask(occupancy_of(catalog, gpu._asdict())) & ~lacks
+    STORE.host_types.set_lacked(conn, gpu.id, lacks, dict(sorted(lacked.items())) or None, fits)
 
 
 def _finding(kind: str, name: str, detail: str, todo: str) -> Change:
     return {"action": "report", "kind": kind, "name": name, "fields": {"detail": detail, "do": todo}}
 
 
-def _replace(conn: Connection, gpu_id: int, ids: Mapping[str, Mapping[str, str]]) -> None:
-    conn.execute(TYPE_ID.delete().where(TYPE_ID.c.gpu_id == gpu_id))
-    rows = [{"gpu_id": gpu_id, "kind": k, "profile": p, "type_id": t, "seen_at": utcnow()}
-            for k, v in ids.items() for p, t in sorted(v.items())]
-    if rows:
-        conn.execute(TYPE_ID.insert(), rows)
+def _replace(conn: Tx, gpu_id: int, ids: Mapping[str, Mapping[str, str]]) -> None:
+    """Make `ids` all the type ids recorded for the GPU."""
+    STORE.host_types.replace_type_ids(conn, gpu_id, ids)
 
 
-def lacking(conn: Connection, pool_id: int, profiles: Iterable[str], limit: int = 10) -> list[dict[str, str]]:
+def lacking(conn: Tx, pool_id: int, profiles: Iterable[str], limit: int = 10) -> list[dict[str, str]]:
     """The pool's GPUs whose host has no type id for one of the profiles, in GPU order, at most `limit`: host,
     GPU, profile and what to do (as the discovery that found it said), for a refusal they caused."""
     wanted = set(profiles)
     out: list[dict[str, str]] = []
-    for r in conn.execute(select(HOST.c.name, GPU.c.pci_address, GPU.c.lacked_types)
-                          .join(HOST, HOST.c.id == GPU.c.host_id)
-                          .where(GPU.c.pool_id == pool_id, GPU.c.lacks != 0).order_by(GPU.c.id)):
-        for p in sorted(wanted & set(r.lacked_types or {})):
-            out.append({"host": r.name, "gpu": r.pci_address, "profile": p, "do": r.lacked_types[p]})
+    for r in STORE.host_types.lacking_gpus(conn, pool_id):
+        for p in sorted(wanted & set(r.lacked_types)):
+            out.append({"host": r.host, "gpu": r.pci_address, "profile": p, "do": r.lacked_types[p]})
             if len(out) >= limit:
                 return out
     return out
@@ -220,7 +207,7 @@ def record_unreachable(name: str, error: str) -> Change:
                     "URI and apply again (`vgpuctl host check` says what is missing)")
 
 
-def record_all(conn: Connection, catalog: Catalog, found: Mapping[str, Discovery | str]) -> list[Change]:
+def record_all(conn: Tx, catalog: Catalog, found: Mapping[str, Discovery | str]) -> list[Change]:
     """record_discovery for each host discovered, a finding for each that could not be read."""
     changes: list[Change] = []
     for name, d in found.items():
@@ -231,13 +218,12 @@ def record_all(conn: Connection, catalog: Catalog, found: Mapping[str, Discovery
     return changes
 
 
-def host_row(ctl: Controller, name: str) -> Any:
+def host_row(ctl: Controller, name: str) -> HostRow:
     """The store's row of host `name` (name, uri, driver, vgpu_backing); NotFound naming the known hosts."""
-    from vgpu_ctl.errors import NotFound
     with ctl.engine.connect() as conn:
-        row = conn.execute(select(HOST).where(HOST.c.name == name)).first()
+        row = STORE.hosts.host_named(conn, name)
         if row is None:
-            known = ", ".join(r[0] for r in conn.execute(select(HOST.c.name).order_by(HOST.c.name)))
+            known = ", ".join(STORE.hosts.host_names(conn))
             raise NotFound(f"host {name!r} not found (known: {known or 'none'}); give a libvirt URI to check a "
                            "host that is not in the store", reasons=[{"field": "host", "value": name}])
     return row

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 from vgpu_ctl.store.events import EventRow
 from vgpu_ctl.store.fleet import FleetRows
-from vgpu_ctl.store.hosts import HostRow, HostState
+from vgpu_ctl.store.host_types import LackingGpu, TypedGpu, TypeIds
+from vgpu_ctl.store.hosts import HostGpu, HostRow, HostState
 from vgpu_ctl.store.idempotency import KeyRow
 from vgpu_ctl.store.inventory import Row
 from vgpu_ctl.store.leader_lease import LeaderLease
@@ -38,7 +39,7 @@ from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
 from vgpu_ctl.store.utilization import HostSample, SampledDevice, SampledGpu, SampleRow
 from vgpu_ctl.store.vm_sched import Holding, VmSchedRow
-from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmRow
+from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmPlace, VmRow
 
 
 class TokenStore(Protocol):
@@ -108,6 +109,34 @@ class HostStore(Protocol):
 
     def vms_on_host(self, tx: Tx, host_id: int, but_state: str) -> list[tuple[str, str]]:
         """(tenant, VM name) of the host's VMs not in `but_state`."""
+
+    def host_named(self, tx: Tx, name: str) -> HostRow | None:
+        """A host by name."""
+
+    def gpus_of_host(self, tx: Tx, name: str) -> dict[str, HostGpu]:
+        """The GPUs of a host (by name), by PCI address."""
+
+    def host_of_gpu(self, tx: Tx, gpu_id: int) -> HostRow:
+        """The host of a GPU."""
+
+
+class HostTypeStore(Protocol):
+    """What each host calls each profile (type ids per GPU), and the profiles a GPU's host lacks."""
+
+    def type_ids(self, tx: Tx, gpu_ids: Collection[int]) -> dict[int, TypeIds]:
+        """The ids recorded for each GPU, by kind and profile."""
+
+    def replace_type_ids(self, tx: Tx, gpu_id: int, ids: Mapping[str, Mapping[str, str]]) -> None:
+        """Make `ids` all the ids recorded for the GPU."""
+
+    def discovered_gpus(self, tx: Tx, host_id: int) -> list[TypedGpu]:
+        """A host's GPUs as a discovery compares them, by PCI address."""
+
+    def set_lacked(self, tx: Tx, gpu_id: int, lacks: int, lacked_types: dict[str, str] | None, fits: int) -> None:
+        """Set what the GPU's host lacks and its fit mask, with a new version."""
+
+    def lacking_gpus(self, tx: Tx, pool_id: int) -> list[LackingGpu]:
+        """The pool's GPUs whose host lacks type ids, by GPU id."""
 
 
 class IdempotencyStore(Protocol):
@@ -522,6 +551,36 @@ class VmStore(Protocol):
     def pool_name(self, tx: Tx, pool_id: int) -> str | None:
         """A pool's name."""
 
+    def vm_place(self, tx: Tx, vm_id: str) -> VmPlace | None:
+        """A VM with its tenant's name, host, pool's name and devices."""
+
+    def set_devices_ready(self, tx: Tx, handles: Mapping[str, dict[str, Any]]) -> None:
+        """Mark devices (by id) made on their host, with their handles."""
+
+    def vm_generation(self, tx: Tx, vm_id: str) -> int | None:
+        """A VM's generation now."""
+
+    def set_vm_error(self, tx: Tx, vm_id: str, error: str | None) -> None:
+        """Set or clear a VM's error."""
+
+    def set_power_state(self, tx: Tx, row: VmRow, state: str) -> bool:
+        """Move a VM no process holds from `row`'s state and generation to `state`; whether it did."""
+
+    def remove_failed_vm(self, tx: Tx, vm_id: str) -> bool:
+        """Delete a failed VM; whether it did."""
+
+    def remove_vm(self, tx: Tx, vm_id: str) -> None:
+        """Delete a VM and its device rows."""
+
+    def tenant_has_scoped(self, tx: Tx, tenant_id: int) -> bool:
+        """Whether a VM's tenant has scoped limits."""
+
+    def adopt_device(self, tx: Tx, device_id: str, new_id: str, uuid: str, handle: dict[str, Any]) -> None:
+        """Give a just-claimed device the id, UUID and handle it has on its host."""
+
+    def set_adopted(self, tx: Tx, vm_id: str, state: str, domain_uuid: str) -> None:
+        """Set an adopted VM's state and domain, unleased."""
+
 
 class UtilizationStore(Protocol):
     """What a utilization round joins its host samples with, and each GPU host's latest sample."""
@@ -589,6 +648,10 @@ class Store(Protocol):
         """Hosts."""
 
     @property
+    def host_types(self) -> HostTypeStore:
+        """Hosts' type ids."""
+
+    @property
     def idempotency(self) -> IdempotencyStore:
         """Idempotency keys."""
 
@@ -636,7 +699,8 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "IdempotencyStore", "InventoryStore",
+    "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "HostTypeStore", "IdempotencyStore",
+    "InventoryStore",
     "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore", "SchedulingStore", "Store", "TenantStore",
     "TokenStore", "Tx", "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
 ]

@@ -7,11 +7,8 @@ state that `reconcile` can finish or roll back. A failed step undoes what the re
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import select, update
-from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import ProfileKind
 from vgpu_ctl.core.backings import vgpu_backing
@@ -21,8 +18,10 @@ from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, Hos
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
 from vgpu_ctl.service.leases import Renewal, advance, check_generation, drop, new_holder, take
-from vgpu_ctl.service.quotas import VM
-from vgpu_ctl.store.models import utcnow
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.service.requests import DeviceInfo, VmInfo
+from vgpu_ctl.store.host_types import TypeIds
+from vgpu_ctl.store.vms import VmDevice, VmHost, VmPlace, VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -35,18 +34,19 @@ def domain_name(vm: Any) -> str:
     return f"{vm.name}-{vm.id[:8]}"
 
 
-def _set_state(conn: Connection, vm_id: str, state: str, **values: Any) -> None:
-    conn.execute(update(VM).where(VM.c.id == vm_id).values(state=state, updated_at=utcnow(), **values))
+def _place(conn: Tx, vm_id: str) -> VmPlace:
+    """The VM with its host, pool and devices, read once; NotFound when it is gone (or on no host)."""
+    place = STORE.vms.vm_place(conn, vm_id)
+    if place is None or place.host is None:
+        raise NotFound(f"VM {vm_id} not found (deleted meanwhile?)", reasons=[{"field": "vm", "value": vm_id}])
+    return place
 
 
-def _load(ctl: Controller, conn: Connection, vm_id: str) -> tuple[Any, Any, list[Any]]:
-    vm = conn.execute(select(VM).where(VM.c.id == vm_id)).one()
-    host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.id == vm.host_id)).one()
-    devs = conn.execute(select(alloc.DEVICE, alloc.GPU.c.pci_address, alloc.GPU.c.model,
-                               alloc.GPU.c.mode.label("gpu_mode"))
-                        .join(alloc.GPU, alloc.GPU.c.id == alloc.DEVICE.c.gpu_id)
-                        .where(alloc.DEVICE.c.vm_id == vm_id).order_by(alloc.DEVICE.c.id)).all()
-    return vm, host, list(devs)
+def _load(ctl: Controller, conn: Tx, vm_id: str) -> tuple[VmRow, VmHost, list[VmDevice]]:
+    """The VM (with its tenant's name), its host and its devices by id."""
+    place = _place(conn, vm_id)
+    assert place.host is not None  # _place refuses a VM on no host
+    return place.vm, place.host, place.devices
 
 
 def kvm_mig_type(catalog: Any, model: str, mig_profile: str) -> Any | None:
@@ -59,23 +59,17 @@ def kvm_mig_type(catalog: Any, model: str, mig_profile: str) -> Any | None:
     return fitting[0] if fitting else None
 
 
-def _host_of_gpu(conn: Connection, gpu_id: int) -> Any:
-    return conn.execute(select(alloc.HOST.c.name, alloc.HOST.c.driver, alloc.HOST.c.vgpu_backing)
-                        .join(alloc.GPU, alloc.GPU.c.host_id == alloc.HOST.c.id)
-                        .where(alloc.GPU.c.id == gpu_id)).one()
-
-
-def device_spec(ctl: Controller, dev: Any) -> DeviceSpec:
+def device_spec(ctl: Controller, dev: Any, host: Any | None = None, ids: TypeIds | None = None) -> DeviceSpec:
     """What the host needs to create a claimed device, with the ids the host's discovery recorded for its GPU
     (mdev type, vendor-VFIO type, MIG profile; the catalog's MIG profile id where none was recorded). On a
     libvirt host a bare MIG instance is the instance plus the MIG-backed vGPU type filling it (`kvm_mig_type`),
     on an mdev or on a VF as the host's vGPU backing says; without such a type it stays a bare MIG spec, which
-    `_provision` refuses to create there."""
-    from vgpu_ctl.service.host_types import stored_ids
-
-    with ctl.engine.connect() as conn:
-        ids = stored_ids(conn, dev.gpu_id)
-        host = _host_of_gpu(conn, dev.gpu_id)
+    `_provision` refuses to create there. `host` (its driver and vGPU backing) and `ids` are read from the
+    store when not given."""
+    if host is None or ids is None:
+        with ctl.engine.connect() as conn:
+            host = host or STORE.hosts.host_of_gpu(conn, dev.gpu_id)
+            ids = ids or STORE.host_types.type_ids(conn, (dev.gpu_id,))[dev.gpu_id]
     profile = ctl.catalog.profile(dev.model, dev.profile)
     kind = profile.kind if profile is not None else None
     mig_id = None
@@ -112,19 +106,19 @@ def _refuse_bare_mig(ctl: Controller, dev: Any, host: Any) -> HostError:
                                "instead": others}])
 
 
-def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None, start: bool = True) -> None:
+def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None, start: bool = True) -> VmInfo | None:
     """Drive a placed (or part-provisioned) VM to running (to stopped, its domain defined, without `start`)
-    under a lease on it: `holder`'s (the claim's), else one taken here; nothing when the VM is not being
-    provisioned. On failure undo everything and raise HostError; Conflict when another live process is working
-    on the VM."""
+    under a lease on it: `holder`'s (the claim's), else one taken here; the VM as provisioned, or None when the
+    VM is not being provisioned. On failure undo everything and raise HostError; Conflict when another live
+    process is working on the VM."""
     if holder is None:
         holder = new_holder()
         with ctl.tx() as conn:
             if take(conn, vm_id, holder, PROVISIONING, what="provision") is None:
-                return
+                return None
     try:
         with Renewal(ctl, vm_id, holder):
-            _provision(ctl, vm_id, holder, start)
+            return _provision(ctl, vm_id, holder, start)
     except VgpuCtlError as exc:
         undo(ctl, vm_id, exc.message, holder)
         if isinstance(exc, HostError | Conflict):
@@ -135,49 +129,70 @@ def provision_vm(ctl: Controller, vm_id: str, holder: str | None = None, start: 
         raise HostError(f"provisioning VM {vm_id} failed and was undone: {type(exc).__name__}: {exc}") from exc
 
 
-def _step(conn: Connection, vm: Any, holder: str, from_state: str, to_state: str, **values: Any) -> None:
+def _step(conn: Tx, vm: Any, holder: str, from_state: str, to_state: str, **values: Any) -> None:
     """One step of provisioning, taken only while `holder` holds the VM's lease (a compare-and-set)."""
     if not advance(conn, vm.id, holder, (from_state,), to_state, keep_lease=to_state not in LIVE, **values):
         raise Conflict(f"VM {vm.name!r} changed while it was being provisioned (another process took it over)",
                        reasons=[{"vm": vm.name, "step": to_state}])
 
 
-def _provision(ctl: Controller, vm_id: str, holder: str, start: bool = True) -> None:
+def _provision(ctl: Controller, vm_id: str, holder: str, start: bool = True) -> VmInfo:
+    """The steps of the state machine from where the VM is, each host call followed by the one transaction
+    that records it (devices ready, defined, running or stopped). The VM, its host, devices and type ids are
+    read once, and what each step changes is carried on, not read again."""
     with ctl.engine.connect() as conn:
-        vm, host, devs = _load(ctl, conn, vm_id)
+        place = _place(conn, vm_id)
+        ids = STORE.host_types.type_ids(conn, {d.gpu_id for d in place.devices})
+    vm, host, devs = place.vm, place.host, place.devices
+    assert host is not None  # _place refuses a VM on no host
     driver = ctl.hosts.get(host)
     if vm.state == VmState.PLACED:
+        made: dict[str, dict[str, Any]] = {}
         for dev in devs:
             if dev.state == "ready":
                 continue
-            spec = device_spec(ctl, dev)
+            spec = device_spec(ctl, dev, host, ids[dev.gpu_id])
             if spec.backing is DeviceBacking.MIG and host.driver != "simulated":
                 raise _refuse_bare_mig(ctl, dev, host)
-            handle = driver.create_device(spec)
-            with ctl.tx() as conn:
-                conn.execute(update(alloc.DEVICE).where(alloc.DEVICE.c.id == dev.id)
-                             .values(state="ready", handle=_handle_json(handle)))
-        with ctl.tx() as conn:
+            made[dev.id] = _handle_json(driver.create_device(spec))
+        with ctl.tx() as conn:  # every device and the step at once: each creation is idempotent (by UUID)
+            STORE.vms.set_devices_ready(conn, made)
             _step(conn, vm, holder, VmState.PLACED, VmState.DEVICES_READY)
+        devs = [d._replace(state="ready", handle=made[d.id]) if d.id in made else d for d in devs]
+    dom_uuid = vm.domain_uuid
     if vm.state in BEFORE_DOMAIN:
-        with ctl.engine.connect() as conn:
-            xml = render_vm(ctl, conn, vm_id)
-        dom_uuid = driver.define_domain(xml)
+        dom_uuid = driver.define_domain(_render(ctl, vm, devs))
         with ctl.tx() as conn:
             _step(conn, vm, holder, VmState.DEVICES_READY, VmState.DEFINED, domain_uuid=dom_uuid)
     if not start:
         with ctl.tx() as conn:
             _step(conn, vm, holder, VmState.DEFINED, VmState.STOPPED, error=None)
-        return
+            generation = STORE.vms.vm_generation(conn, vm_id)
+        return _info(place, devs, VmState.STOPPED, dom_uuid, generation)
     driver.start_domain(domain_name(vm))
     with ctl.tx() as conn:
         _step(conn, vm, holder, VmState.DEFINED, VmState.RUNNING, error=None)
-        record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
+        record(conn, ctl.principal.actor, "vm.start", f"vm:{vm_id}", tenant=vm.tenant_name,
                params={"name": vm.name})
+        generation = STORE.vms.vm_generation(conn, vm_id)
+    return _info(place, devs, VmState.RUNNING, dom_uuid, generation)
 
 
-def _tenant_name(conn: Connection, vm: Any) -> str | None:
-    return conn.execute(select(alloc.TENANT.c.name).where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
+def _info(place: VmPlace, devs: Sequence[VmDevice], state: str, dom_uuid: str | None,
+          generation: int | None) -> VmInfo:
+    """The VM as provisioning left it, from the rows it read and what it changed."""
+    vm, host = place.vm, place.host
+    assert host is not None
+    devices = tuple(DeviceInfo(d.id, f"{host.name}/{d.pci_address}", d.gpu_id, d.profile, d.kind, d.start, d.size,
+                               d.uuid, d.backing, d.state) for d in sorted(devs, key=lambda d: (d.gpu_id, d.start)))
+    return VmInfo(vm.id, vm.name, str(vm.tenant_name), host.name, place.pool_name, str(state), vm.vcpus,
+                  vm.memory_mib, vm.framebuffer_mib, devices, None, dom_uuid, host.driver == "simulated",
+                  generation or 0)
+
+
+def _tenant_name(conn: Tx, vm: Any) -> str | None:
+    """The name of the VM's tenant."""
+    return STORE.tenants.tenant_name(conn, vm.tenant_id)
 
 
 def _handle_json(h: DeviceHandle) -> dict[str, Any]:
@@ -185,48 +200,53 @@ def _handle_json(h: DeviceHandle) -> dict[str, Any]:
             "gpu_instance_id": h.gpu_instance_id}
 
 
-def _teardown(ctl: Controller, driver: HostDriver, vm: Any, devs: list[Any]) -> list[str]:
+def _teardown(ctl: Controller, driver: HostDriver, vm: Any, devs: Sequence[Any], host: Any) -> list[str]:
     """Remove the domain, then each device; the errors met (each step still tried)."""
     errors = []
     try:
         driver.undefine_domain(domain_name(vm))
     except Exception as exc:
         errors.append(f"undefine domain: {exc}")
-    return errors + remove_devices(ctl, driver, devs)
+    return errors + remove_devices(ctl, driver, devs, host=host)
 
 
-def remove_devices(ctl: Controller, driver: HostDriver, devs: Sequence[Any], on: str | None = None) -> list[str]:
+def remove_devices(ctl: Controller, driver: HostDriver, devs: Sequence[Any], on: str | None = None,
+                   host: Any | None = None) -> list[str]:
     """Remove each device from its host (each tried whatever the others do); the errors met, in words (`on`
-    names the host in them)."""
+    names the host in them). `host`: the devices' host row, read from the store when not given."""
     errors = []
     where = f" on {on}" if on else ""
+    ids: Mapping[int, TypeIds] = {}
+    if devs:
+        with ctl.engine.connect() as conn:
+            ids = STORE.host_types.type_ids(conn, {d.gpu_id for d in devs})
     for dev in devs:
         try:
-            driver.remove_device(device_spec(ctl, dev))
+            driver.remove_device(device_spec(ctl, dev, host, ids[dev.gpu_id]))
         except Exception as exc:
             errors.append(f"remove device {dev.uuid}{where}: {exc}")
     return errors
 
 
-def _free_claim(ctl: Controller, conn: Connection, vm: Any, devs: list[Any]) -> None:
+def _free_claim(ctl: Controller, conn: Tx, vm: VmRow, devs: Sequence[VmDevice]) -> None:
     """Give back quota, host capacity and devices of a VM (inside the caller's transaction). Rows are locked
     in the order a claim locks them (tenant, scoped limits, host, GPUs by id), so a release and a claim
     running at once can't deadlock."""
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     scoped = {(s, r): n for s, r, n in spec.get("charges", [])}
     alloc.uncharge(conn, vm.tenant_id, spec.get("delta", {}), {})  # takes the tenant row's lock first
-    has_scoped = conn.execute(select(alloc.TENANT.c.has_scoped_limits)
-                              .where(alloc.TENANT.c.id == vm.tenant_id)).scalar()
-    if has_scoped:
+    if STORE.vms.tenant_has_scoped(conn, vm.tenant_id):
         alloc.uncharge(conn, vm.tenant_id, {}, scoped)
+    assert vm.host_id is not None
     alloc.release_host(conn, vm.host_id, vm.vcpus, vm.memory_mib)
-    alloc.free_devices(conn, ctl.catalog, [d._mapping for d in devs])
+    alloc.free_devices(conn, ctl.catalog, [d._asdict() for d in devs])
 
 
-def _free_once(ctl: Controller, conn: Connection, vm_id: str, holder: str, from_states: tuple[str, ...],
-               to_state: str, **values: Any) -> Any | None:
+def _free_once(ctl: Controller, conn: Tx, vm_id: str, holder: str, from_states: tuple[str, ...],
+               to_state: str, **values: Any) -> VmRow | None:
     """Move the VM to `to_state` and give back its claim, if `holder` holds its lease and it is in one of
-    `from_states` (a compare-and-set, so a claim is given back exactly once); the VM row, or None."""
+    `from_states` (a compare-and-set, so a claim is given back exactly once, from the rows as they are after
+    it); the VM row, or None."""
     if not advance(conn, vm_id, holder, from_states, to_state, keep_lease=False, **values):
         return None
     vm, _host, devs = _load(ctl, conn, vm_id)
@@ -241,13 +261,13 @@ def undo(ctl: Controller, vm_id: str, error: str, holder: str) -> None:
         vm, host, devs = _load(ctl, conn, vm_id)
     if vm.state not in (*PROVISIONING, VmState.RUNNING) or vm.lease_holder != holder:
         return
-    errors = _teardown(ctl, ctl.hosts.get(host), vm, devs)
+    errors = _teardown(ctl, ctl.hosts.get(host), vm, devs, host)
     with ctl.tx() as conn:
         freed = _free_once(ctl, conn, vm_id, holder, (*PROVISIONING, VmState.RUNNING), VmState.FAILED,
                            error=error + ("; cleanup: " + "; ".join(errors) if errors else ""))
         if freed is not None:
             record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", result="failed", error=error,
-                   tenant=_tenant_name(conn, vm), params={"name": vm.name})
+                   tenant=vm.tenant_name, params={"name": vm.name})
 
 
 def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generation: int | None = None) -> None:
@@ -260,9 +280,8 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generatio
         if vm is not None and vm.state == VmState.HIBERNATED and vm.host_id is not None:  # it gave back its
             alloc.release_host(conn, vm.host_id, -vm.vcpus, -vm.memory_mib)  # host's share: the release frees it
         if vm is None:  # failed (it holds nothing), or deleted meanwhile
-            gone = conn.execute(select(VM.c.name, VM.c.tenant_id).where(VM.c.id == vm_id)).first()
-            failed = VM.delete().where(VM.c.id == vm_id, VM.c.state == VmState.FAILED.value)
-            if gone is None or conn.execute(failed).rowcount != 1:
+            gone = STORE.vms.vm_row(conn, vm_id)
+            if gone is None or not STORE.vms.remove_failed_vm(conn, vm_id):
                 raise NotFound(f"VM {vm_id} not found (deleted meanwhile?)", reasons=[{"field": "vm", "value": vm_id}])
             record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=_tenant_name(conn, gone),
                    params={"name": gone.name})
@@ -270,18 +289,17 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generatio
     with Renewal(ctl, vm_id, holder):
         with ctl.engine.connect() as conn:
             vm, host, devs = _load(ctl, conn, vm_id)
-        errors = _teardown(ctl, ctl.hosts.get(host), vm, devs)
+        errors = _teardown(ctl, ctl.hosts.get(host), vm, devs, host)
         with ctl.tx() as conn:
             if errors:
-                conn.execute(update(VM).where(VM.c.id == vm_id).values(error="; ".join(errors)))
+                STORE.vms.set_vm_error(conn, vm_id, "; ".join(errors))
                 drop(conn, vm_id, holder)
             elif _free_once(ctl, conn, vm_id, holder, (VmState.RELEASING,), VmState.RELEASING) is None:
                 raise Conflict(f"VM {vm.name!r} changed while it was being deleted (another process took it over)",
                                reasons=[{"vm": vm.name}])
             else:
-                conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm_id))
-                conn.execute(VM.delete().where(VM.c.id == vm_id))
-                record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
+                STORE.vms.remove_vm(conn, vm_id)
+                record(conn, ctl.principal.actor, "vm.delete", f"vm:{vm_id}", tenant=vm.tenant_name,
                        params={"name": vm.name})
     if errors:
         raise HostError(f"deleting VM {vm.name!r} left work on host {host.name}: {'; '.join(errors)}; "
@@ -304,26 +322,25 @@ def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False, genera
     else:
         driver.stop_domain(domain_name(vm), force=force)
     with ctl.tx() as conn:
-        changed = conn.execute(update(VM).where(VM.c.id == vm_id, VM.c.state == vm.state, VM.c.lease_holder.is_(None),
-                                                VM.c.generation == vm.generation)
-                               .values(state=(VmState.RUNNING if on else VmState.STOPPED).value, updated_at=utcnow()))
-        if changed.rowcount != 1:  # deleted or taken over meanwhile: its state is the other operation's
+        if not STORE.vms.set_power_state(conn, vm, (VmState.RUNNING if on else VmState.STOPPED).value):
+            # deleted or taken over meanwhile: its state is the other operation's
             raise Conflict(f"VM {vm.name!r} changed while it was being {'started' if on else 'stopped'}",
                            reasons=[{"vm": vm.name}])
-        tenant = _tenant_name(conn, vm)
-        record(conn, ctl.principal.actor, "vm.start" if on else "vm.stop", f"vm:{vm_id}", tenant=tenant,
+        record(conn, ctl.principal.actor, "vm.start" if on else "vm.stop", f"vm:{vm_id}", tenant=vm.tenant_name,
                params={"name": vm.name, "force": force})
 
 
-def render_vm(ctl: Controller, conn: Connection, vm_id: str, only: Collection[str] | None = None) -> str:
+def render_vm(ctl: Controller, conn: Tx, vm_id: str, only: Collection[str] | None = None) -> str:
     """The validated domain XML of a VM (with `only`, with those of its devices only: a VM being moved holds its
     old devices and its new ones)."""
+    vm, _host, devs = _load(ctl, conn, vm_id)
+    return _render(ctl, vm, [d for d in devs if d.id in only] if only is not None else devs)
+
+
+def _render(ctl: Controller, vm: VmRow, devs: Sequence[VmDevice]) -> str:
+    """The validated domain XML of a VM (its row with its tenant's name) with these devices."""
     from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress
 
-    vm, _host, devs = _load(ctl, conn, vm_id)
-    if only is not None:
-        devs = [d for d in devs if d.id in only]
-    tenant = _tenant_name(conn, vm)
     hostdevs = []
     for d in devs:
         handle = d.handle if isinstance(d.handle, dict) else {}
@@ -337,7 +354,7 @@ def render_vm(ctl: Controller, conn: Connection, vm_id: str, only: Collection[st
                                        else None, gpu_pci=d.pci_address, start=d.start, size=d.size))
     spec = vm.spec if isinstance(vm.spec, dict) else {}
     images = ctl.state_path / "images"
-    ctx = DomainContext(name=domain_name(vm), uuid=vm.id, tenant=str(tenant), vm_id=vm.id, vcpus=vm.vcpus,
+    ctx = DomainContext(name=domain_name(vm), uuid=vm.id, tenant=str(vm.tenant_name), vm_id=vm.id, vcpus=vm.vcpus,
                         memory_mib=vm.memory_mib, disk_base_image=str(images / "base.qcow2"),
                         disk_overlay=str(images / f"{vm.id}.qcow2"), network=spec.get("network", "default"),
                         network_type="network", hostdevs=hostdevs, compute_only=True)

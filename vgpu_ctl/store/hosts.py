@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from sqlalchemy import select
 
-from vgpu_ctl.store.tables import HOST, TENANT, VM
+from vgpu_ctl.store.tables import GPU, HOST, TENANT, VM
 from vgpu_ctl.store.unit import Tx
 
 
@@ -65,3 +65,30 @@ _HOST_COLUMNS = [HOST.c[name] for name in HostRow._fields]
 def host_rows(tx: Tx) -> list[HostRow]:
     """Every host, by name."""
     return [HostRow(*r) for r in tx.execute(select(*_HOST_COLUMNS).order_by(HOST.c.name))]
+
+
+def host_named(tx: Tx, name: str) -> HostRow | None:
+    """The host named `name`, if there is one."""
+    row = tx.execute(select(*_HOST_COLUMNS).where(HOST.c.name == name)).first()
+    return HostRow(*row) if row is not None else None
+
+
+class HostGpu(NamedTuple):
+    """A GPU of a host: its id, PCI address and pool."""
+
+    id: int
+    pci_address: str
+    pool_id: int | None
+
+
+def gpus_of_host(tx: Tx, name: str) -> dict[str, HostGpu]:
+    """The GPUs of the host named `name`, by PCI address."""
+    return {str(r.pci_address): HostGpu(int(r.id), str(r.pci_address), r.pool_id) for r in tx.execute(
+        select(GPU.c.id, GPU.c.pci_address, GPU.c.pool_id).join(HOST, HOST.c.id == GPU.c.host_id)
+        .where(HOST.c.name == name))}
+
+
+def host_of_gpu(tx: Tx, gpu_id: int) -> HostRow:
+    """The host of a GPU."""
+    return HostRow(*tx.execute(select(*_HOST_COLUMNS).join(GPU, GPU.c.host_id == HOST.c.id)
+                               .where(GPU.c.id == gpu_id)).one())

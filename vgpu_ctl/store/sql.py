@@ -10,6 +10,7 @@ from vgpu_ctl.store import (
     events,
     fleet,
     gpu_loads,
+    host_types,
     hosts,
     idempotency,
     inventory,
@@ -34,6 +35,7 @@ class SqlStore:
     events: Final = events
     fleet: Final = fleet
     gpu_loads: Final = gpu_loads
+    host_types: Final = host_types
     hosts: Final = hosts
     idempotency: Final = idempotency
     inventory: Final = inventory
