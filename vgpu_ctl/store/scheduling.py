@@ -11,27 +11,28 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Table, bindparam, delete, func, insert, select, update
 
-from vgpu_ctl.store.models import (
-    Meta,
-    PriorityClass,
-    ShareAccount,
-    TenantPriorityClass,
-    TenantSched,
-    UsageInterval,
-    UsageLedger,
-)
 from vgpu_ctl.store.operations import OperationRow
 from vgpu_ctl.store.prepared import Prepared
-from vgpu_ctl.store.tables import DEVICE, EVENT, GPU, HOST, OPERATION, POOL, SCOPED, TENANT, VM, VM_SCHED
+from vgpu_ctl.store.tables import (
+    DEVICE,
+    EVENT,
+    GPU,
+    HOST,
+    META,
+    OPERATION,
+    POOL,
+    PRIORITY_CLASS,
+    SCOPED,
+    SHARE_ACCOUNT,
+    TENANT,
+    TENANT_CLASS,
+    TENANT_SCHED,
+    USAGE_INTERVAL,
+    USAGE_LEDGER,
+    VM,
+    VM_SCHED,
+)
 from vgpu_ctl.store.unit import Tx
-
-CLASS: Table = PriorityClass.__table__  # type: ignore[attr-defined]
-ACCOUNT: Table = ShareAccount.__table__  # type: ignore[attr-defined]
-TSCHED: Table = TenantSched.__table__  # type: ignore[attr-defined]
-TCLASS: Table = TenantPriorityClass.__table__  # type: ignore[attr-defined]
-INTERVAL: Table = UsageInterval.__table__  # type: ignore[attr-defined]
-LEDGER: Table = UsageLedger.__table__  # type: ignore[attr-defined]
-META: Table = Meta.__table__  # type: ignore[attr-defined]
 
 SETTING = "sched."
 """The prefix of the scheduling settings' keys in `meta`."""
@@ -74,9 +75,9 @@ class ClassUse(NamedTuple):
     tenant_limits: int
 
 
-_CLASSES = Prepared(select(*[CLASS.c[name] for name in ClassRow._fields])
-                    .order_by(CLASS.c.value.desc(), CLASS.c.name))  # every claim resolves its class
-_ANY_CLASS = Prepared(select(CLASS.c.name).limit(1))
+_CLASSES = Prepared(select(*[PRIORITY_CLASS.c[name] for name in ClassRow._fields])
+                    .order_by(PRIORITY_CLASS.c.value.desc(), PRIORITY_CLASS.c.name))  # every claim resolves its class
+_ANY_CLASS = Prepared(select(PRIORITY_CLASS.c.name).limit(1))
 
 
 def class_rows(tx: Tx) -> list[ClassRow]:
@@ -92,26 +93,27 @@ def any_class(tx: Tx) -> bool:
 
 def has_class(tx: Tx, name: str) -> bool:
     """Whether the priority class `name` exists."""
-    return tx.execute(select(CLASS.c.name).where(CLASS.c.name == name)).first() is not None
+    return tx.execute(select(PRIORITY_CLASS.c.name).where(PRIORITY_CLASS.c.name == name)).first() is not None
 
 
 def add_class(tx: Tx, row: ClassRow, created_at: datetime) -> None:
     """Insert a priority class; when it is the default, the previous default stops being one."""
     if row.is_default:
-        tx.execute(update(CLASS).where(CLASS.c.is_default.is_(True)).values(is_default=False))
-    tx.execute(insert(CLASS).values(**row._asdict(), created_at=created_at))
+        tx.execute(update(PRIORITY_CLASS).where(PRIORITY_CLASS.c.is_default.is_(True)).values(is_default=False))
+    tx.execute(insert(PRIORITY_CLASS).values(**row._asdict(), created_at=created_at))
 
 
 def class_use(tx: Tx, name: str) -> ClassUse:
     """What uses the priority class `name`."""
     def count(table: Table, column: str) -> int:
         return int(tx.execute(select(func.count()).select_from(table).where(table.c[column] == name)).scalar() or 0)
-    return ClassUse(count(VM_SCHED, "class_name"), count(TSCHED, "default_class"), count(TCLASS, "class_name"))
+    return ClassUse(count(VM_SCHED, "class_name"), count(TENANT_SCHED, "default_class"),
+                    count(TENANT_CLASS, "class_name"))
 
 
 def remove_class(tx: Tx, name: str) -> None:
     """Delete the priority class `name`."""
-    tx.execute(delete(CLASS).where(CLASS.c.name == name))
+    tx.execute(delete(PRIORITY_CLASS).where(PRIORITY_CLASS.c.name == name))
 
 
 # -- tenants' scheduling settings -------------------------------------------------------------------------------
@@ -133,9 +135,9 @@ class TenantShare(NamedTuple):
     account: str | None
 
 
-_TSCHED = Prepared(select(TSCHED.c.shares, TSCHED.c.account, TSCHED.c.default_class)
-                   .where(TSCHED.c.tenant_id == bindparam("t_id")))  # every claim with classes reads these
-_TCLASSES = Prepared(select(TCLASS.c.class_name).where(TCLASS.c.tenant_id == bindparam("t_id")))
+_TSCHED = Prepared(select(TENANT_SCHED.c.shares, TENANT_SCHED.c.account, TENANT_SCHED.c.default_class)
+                   .where(TENANT_SCHED.c.tenant_id == bindparam("t_id")))  # every claim with classes reads these
+_TCLASSES = Prepared(select(TENANT_CLASS.c.class_name).where(TENANT_CLASS.c.tenant_id == bindparam("t_id")))
 
 
 def tenant_sched(tx: Tx, tenant_id: int) -> TenantSchedRow | None:
@@ -151,18 +153,18 @@ def tenant_classes(tx: Tx, tenant_id: int) -> list[str]:
 
 def put_tenant_sched(tx: Tx, tenant_id: int, row: TenantSchedRow, classes: Collection[str]) -> None:
     """Replace the tenant's scheduling row and the classes it may use."""
-    tx.execute(delete(TSCHED).where(TSCHED.c.tenant_id == tenant_id))
-    tx.execute(insert(TSCHED).values(tenant_id=tenant_id, **row._asdict()))
-    tx.execute(delete(TCLASS).where(TCLASS.c.tenant_id == tenant_id))
+    tx.execute(delete(TENANT_SCHED).where(TENANT_SCHED.c.tenant_id == tenant_id))
+    tx.execute(insert(TENANT_SCHED).values(tenant_id=tenant_id, **row._asdict()))
+    tx.execute(delete(TENANT_CLASS).where(TENANT_CLASS.c.tenant_id == tenant_id))
     for c in classes:
-        tx.execute(insert(TCLASS).values(tenant_id=tenant_id, class_name=c))
+        tx.execute(insert(TENANT_CLASS).values(tenant_id=tenant_id, class_name=c))
 
 
 def tenant_shares(tx: Tx) -> list[TenantShare]:
     """Every tenant with its shares and account."""
     return [TenantShare(*r) for r in tx.execute(
-        select(TENANT.c.id, TENANT.c.name, TSCHED.c.shares, TSCHED.c.account)
-        .outerjoin(TSCHED, TSCHED.c.tenant_id == TENANT.c.id))]
+        select(TENANT.c.id, TENANT.c.name, TENANT_SCHED.c.shares, TENANT_SCHED.c.account)
+        .outerjoin(TENANT_SCHED, TENANT_SCHED.c.tenant_id == TENANT.c.id))]
 
 
 # -- accounts ---------------------------------------------------------------------------------------------------
@@ -178,31 +180,32 @@ class AccountRow(NamedTuple):
 def account_rows(tx: Tx) -> list[AccountRow]:
     """Every account."""
     return [AccountRow(r.name, int(r.shares), r.parent) for r in tx.execute(
-        select(ACCOUNT.c.name, ACCOUNT.c.shares, ACCOUNT.c.parent))]
+        select(SHARE_ACCOUNT.c.name, SHARE_ACCOUNT.c.shares, SHARE_ACCOUNT.c.parent))]
 
 
 def has_account(tx: Tx, name: str) -> bool:
     """Whether the account `name` exists."""
-    return tx.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.name == name)).first() is not None
+    return tx.execute(select(SHARE_ACCOUNT.c.name).where(SHARE_ACCOUNT.c.name == name)).first() is not None
 
 
 def put_account(tx: Tx, row: AccountRow) -> None:
     """Set an account's shares and parent, inserting it when there is none."""
-    if tx.execute(update(ACCOUNT).where(ACCOUNT.c.name == row.name)
+    if tx.execute(update(SHARE_ACCOUNT).where(SHARE_ACCOUNT.c.name == row.name)
                   .values(shares=row.shares, parent=row.parent)).rowcount == 0:
-        tx.execute(insert(ACCOUNT).values(**row._asdict()))
+        tx.execute(insert(SHARE_ACCOUNT).values(**row._asdict()))
 
 
 def account_members(tx: Tx, name: str) -> list[str]:
     """The accounts, then the tenants, directly under the account `name`."""
-    accounts = [str(r[0]) for r in tx.execute(select(ACCOUNT.c.name).where(ACCOUNT.c.parent == name))]
+    accounts = [str(r[0]) for r in tx.execute(select(SHARE_ACCOUNT.c.name).where(SHARE_ACCOUNT.c.parent == name))]
     return accounts + [str(r[0]) for r in tx.execute(
-        select(TENANT.c.name).join(TSCHED, TSCHED.c.tenant_id == TENANT.c.id).where(TSCHED.c.account == name))]
+        select(TENANT.c.name).join(TENANT_SCHED, TENANT_SCHED.c.tenant_id == TENANT.c.id)
+        .where(TENANT_SCHED.c.account == name))]
 
 
 def remove_account(tx: Tx, name: str) -> None:
     """Delete the account `name`."""
-    tx.execute(delete(ACCOUNT).where(ACCOUNT.c.name == name))
+    tx.execute(delete(SHARE_ACCOUNT).where(SHARE_ACCOUNT.c.name == name))
 
 
 # -- fair-share usage -------------------------------------------------------------------------------------------
@@ -235,30 +238,30 @@ def gpu_model_counts(tx: Tx) -> list[tuple[str, int]]:
 
 def ledger_rows(tx: Tx) -> list[LedgerRow]:
     """Every tenant's ledger."""
-    return [LedgerRow(*r) for r in tx.execute(select(*[LEDGER.c[name] for name in LedgerRow._fields]))]
+    return [LedgerRow(*r) for r in tx.execute(select(*[USAGE_LEDGER.c[name] for name in LedgerRow._fields]))]
 
 
 def put_ledger(tx: Tx, row: LedgerRow) -> None:
     """Set a tenant's ledger, inserting it when there is none."""
     values = row._asdict()
-    if tx.execute(update(LEDGER).where(LEDGER.c.tenant_id == row.tenant_id)
+    if tx.execute(update(USAGE_LEDGER).where(USAGE_LEDGER.c.tenant_id == row.tenant_id)
                   .values(fb_gib_h=row.fb_gib_h, compute_h=row.compute_h, as_of=row.as_of)).rowcount == 0:
-        tx.execute(insert(LEDGER).values(**values))
+        tx.execute(insert(USAGE_LEDGER).values(**values))
 
 
 def interval_rows(tx: Tx) -> list[IntervalRow]:
     """Every closed usage interval not yet folded."""
-    return [IntervalRow(*r) for r in tx.execute(select(*[INTERVAL.c[name] for name in IntervalRow._fields]))]
+    return [IntervalRow(*r) for r in tx.execute(select(*[USAGE_INTERVAL.c[name] for name in IntervalRow._fields]))]
 
 
 def interval_count(tx: Tx) -> int:
     """How many closed usage intervals wait to be folded."""
-    return int(tx.execute(select(func.count()).select_from(INTERVAL)).scalar() or 0)
+    return int(tx.execute(select(func.count()).select_from(USAGE_INTERVAL)).scalar() or 0)
 
 
 def drop_intervals(tx: Tx, ids: Collection[int]) -> None:
     """Delete these usage intervals (folded)."""
-    tx.execute(delete(INTERVAL).where(INTERVAL.c.id.in_(list(ids))))
+    tx.execute(delete(USAGE_INTERVAL).where(USAGE_INTERVAL.c.id.in_(list(ids))))
 
 
 # -- what a preemption plans from -------------------------------------------------------------------------------
