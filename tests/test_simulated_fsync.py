@@ -51,6 +51,11 @@ def test_a_vms_host_steps_cost_one_fsync(tmp_path: Path, fsyncs: list[int]) -> N
     other.undefine_domain("vm-1")
     assert len(fsyncs) == 2  # the undefinition
     assert not list(tmp_path.glob(".sim-1.*.tmp"))
+    # the first instance had the state parsed already: it sees the other's changes, not what it kept
+    assert host.list_domains() == []
+    host.remove_device(DeviceSpec(device_id="d0", gpu_pci="0000:41:00.0", backing=DeviceBacking.MDEV,
+                                  profile="A100D-10C", start=0, size=10, uuid=MDEV_UUID, mdev_type="nvidia-558"))
+    assert [d.uuid for d in other.list_devices()] == ["0b5b8c1e-2d3f-4e5a-8b6c-7d8e9f0a1b2c"]
 
 
 def test_provisioned_vm_costs_one_fsync(state_dir: Path, sqlite_url: str, fsyncs: list[int]) -> None:
@@ -62,6 +67,7 @@ def test_provisioned_vm_costs_one_fsync(state_dir: Path, sqlite_url: str, fsyncs
                                 pool="workstations")
         assert vm.state == "running"
         assert len(fsyncs) == 1
+        assert vm == c.get_vm(vm.id)  # what provisioning answers from the rows it carried is what the store holds
         c.release_vm(vm.id)
         assert len(fsyncs) == 2
     finally:

@@ -21,7 +21,8 @@ from vgpu_ctl.service.leases import Renewal, advance, check_generation, drop, ne
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import DeviceInfo, VmInfo
 from vgpu_ctl.store.host_types import TypeIds
-from vgpu_ctl.store.vms import VmDevice, VmHost, VmPlace, VmRow
+from vgpu_ctl.store.moves import HeldDevice
+from vgpu_ctl.store.vms import VmHost, VmPlace, VmRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -42,7 +43,7 @@ def _place(conn: Tx, vm_id: str) -> VmPlace:
     return place
 
 
-def _load(ctl: Controller, conn: Tx, vm_id: str) -> tuple[VmRow, VmHost, list[VmDevice]]:
+def _load(ctl: Controller, conn: Tx, vm_id: str) -> tuple[VmRow, VmHost, list[HeldDevice]]:
     """The VM (with its tenant's name), its host and its devices by id."""
     place = _place(conn, vm_id)
     assert place.host is not None  # _place refuses a VM on no host
@@ -178,7 +179,7 @@ def _provision(ctl: Controller, vm_id: str, holder: str, start: bool = True) -> 
     return _info(place, devs, VmState.RUNNING, dom_uuid, generation)
 
 
-def _info(place: VmPlace, devs: Sequence[VmDevice], state: str, dom_uuid: str | None,
+def _info(place: VmPlace, devs: Sequence[HeldDevice], state: str, dom_uuid: str | None,
           generation: int | None) -> VmInfo:
     """The VM as provisioning left it, from the rows it read and what it changed."""
     vm, host = place.vm, place.host
@@ -228,7 +229,7 @@ def remove_devices(ctl: Controller, driver: HostDriver, devs: Sequence[Any], on:
     return errors
 
 
-def _free_claim(ctl: Controller, conn: Tx, vm: VmRow, devs: Sequence[VmDevice]) -> None:
+def _free_claim(ctl: Controller, conn: Tx, vm: VmRow, devs: Sequence[HeldDevice]) -> None:
     """Give back quota, host capacity and devices of a VM (inside the caller's transaction). Rows are locked
     in the order a claim locks them (tenant, scoped limits, host, GPUs by id), so a release and a claim
     running at once can't deadlock."""
@@ -337,7 +338,7 @@ def render_vm(ctl: Controller, conn: Tx, vm_id: str, only: Collection[str] | Non
     return _render(ctl, vm, [d for d in devs if d.id in only] if only is not None else devs)
 
 
-def _render(ctl: Controller, vm: VmRow, devs: Sequence[VmDevice]) -> str:
+def _render(ctl: Controller, vm: VmRow, devs: Sequence[HeldDevice]) -> str:
     """The validated domain XML of a VM (its row with its tenant's name) with these devices."""
     from vgpu_ctl.render import DomainContext, HostdevContext, PciAddress
 

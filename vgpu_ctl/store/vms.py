@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import bindparam, func, or_, select, update
 
+from vgpu_ctl.store.moves import HeldDevice
 from vgpu_ctl.store.prepared import Prepared, end_read
 from vgpu_ctl.store.tables import DEVICE, GPU, HOST, POOL, TENANT, VM
 from vgpu_ctl.store.unit import Tx, utcnow
@@ -182,24 +183,6 @@ class VmHost(NamedTuple):
     vgpu_backing: str
 
 
-class VmDevice(NamedTuple):
-    """A VM's device as stored, with its GPU's PCI address, model and mode."""
-
-    id: str
-    gpu_id: int
-    profile: str
-    kind: str
-    start: int
-    size: int
-    uuid: str
-    backing: str
-    handle: dict[str, Any]
-    state: str
-    pci_address: str
-    model: str
-    gpu_mode: str
-
-
 class VmPlace(NamedTuple):
     """A VM (with its tenant's name) and where it is: its host (None: placed nowhere), its pool's name, and its
     devices by id: what provisioning, a release and a power change work on, read once."""
@@ -207,7 +190,7 @@ class VmPlace(NamedTuple):
     vm: VmRow
     host: VmHost | None
     pool_name: str | None
-    devices: list[VmDevice]
+    devices: list[HeldDevice]
 
 
 _PLACE_VM = Prepared(
@@ -216,7 +199,7 @@ _PLACE_VM = Prepared(
     .join(TENANT, TENANT.c.id == VM.c.tenant_id).outerjoin(HOST, HOST.c.id == VM.c.host_id)
     .outerjoin(POOL, POOL.c.id == VM.c.pool_id).where(VM.c.id == bindparam("vm_id")))
 _PLACE_DEVICES = Prepared(
-    select(*(DEVICE.c[name] for name in VmDevice._fields[:10]), GPU.c.pci_address, GPU.c.model,
+    select(*(DEVICE.c[name] for name in HeldDevice._fields[:-3]), GPU.c.pci_address, GPU.c.model,
            GPU.c.mode.label("gpu_mode"))
     .join(GPU, GPU.c.id == DEVICE.c.gpu_id).where(DEVICE.c.vm_id == bindparam("vm_id")).order_by(DEVICE.c.id))
 _N_VM = len(VmRow._fields)
@@ -226,7 +209,7 @@ def vm_place(tx: Tx, vm_id: str) -> VmPlace | None:
     """The VM `vm_id` with its tenant's name, host, pool's name and devices, if there is such a VM (two
     statements, prepared)."""
     rows = _PLACE_VM.rows(tx, {"vm_id": vm_id})
-    devices = [VmDevice._make(r) for r in _PLACE_DEVICES.rows(tx, {"vm_id": vm_id})] if rows else []
+    devices = [HeldDevice._make(r) for r in _PLACE_DEVICES.rows(tx, {"vm_id": vm_id})] if rows else []
     if not tx.in_transaction():
         end_read(tx)
     if not rows:
