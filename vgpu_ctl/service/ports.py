@@ -263,9 +263,6 @@ class MoveStore(Protocol):
     def host_gpus(self, tx: Tx, host_id: int) -> list[TargetGpu]:
         """A host's GPUs."""
 
-    def set_device_made(self, tx: Tx, device_id: str, handle: dict[str, Any]) -> None:
-        """A device exists on its host now, as `handle` says."""
-
     def last_move(self, tx: Tx, vm_id: str) -> MoveEvent | None:
         """A VM's latest `vm.move` that succeeded."""
 
@@ -601,7 +598,7 @@ class UtilizationStore(Protocol):
         """Make these rows their hosts' kept samples."""
 
     def host_samples(self, tx: Tx, host_names: Collection[str] | None) -> list[HostSample]:
-        """The kept samples of the named hosts (None: every host), by host name."""
+        """The kept samples of the named hosts (None: every host), with their names, by host name."""
 
 
 class VmSchedStore(Protocol):

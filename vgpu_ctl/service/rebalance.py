@@ -173,17 +173,17 @@ def _check_to(ctl: Controller, conn: Tx, pool_id: int | None,
     new_host = STORE.moves.host_named(conn, m.to_host)
     if new_host is None:
         raise Conflict(f"host {m.to_host} is gone; plan again", reasons=[{"host": m.to_host}])
-    gpus = {g.pci_address: g for g in STORE.moves.host_gpus(conn, new_host.id)}
+    gpus = {g.gpu.pci_address: g for g in STORE.moves.host_gpus(conn, new_host.id)}
     placed: list[DevicePlacement] = []
     occs: dict[int, Occupancy] = {}
     rows: dict[int, TargetGpu] = {}
     for d in m.to_devices:
         g = gpus.get(d.pci)
-        if g is None or g.pool_id != pool_id:
+        if g is None or g.gpu.pool_id != pool_id:
             raise Conflict(f"GPU {m.to_host}/{d.pci} is not in the VM's pool; plan again",
                            reasons=[{"gpu": f"{m.to_host}/{d.pci}"}])
         rows[g.id] = g
-        occ = occs.get(g.id) or alloc.occupancy_of(ctl.catalog, g._asdict())
+        occ = occs.get(g.id) or alloc.occupancy_of(ctl.catalog, g.gpu.occupancy_row())
         why = occ.check(d.profile, d.start)
         if why is not None:
             raise Conflict(f"{d.profile} at {d.start} on {m.to_host}/{d.pci} no longer fits ({why}); plan again",
@@ -269,9 +269,9 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
                 handle = new_driver.create_device(spec)
                 ready.append(dev)
                 with ctl.tx() as conn:
-                    STORE.moves.set_device_made(conn, dev.id, {
+                    STORE.vms.set_devices_ready(conn, {dev.id: {
                         "backing": handle.backing.value, "uuid": handle.uuid, "pci_address": handle.pci_address,
-                        "gpu_instance_id": handle.gpu_instance_id})
+                        "gpu_instance_id": handle.gpu_instance_id}})
             _crash_point("created")
             with ctl.engine.connect() as conn:
                 xml = render_vm(ctl, conn, vm.id, only=new_ids)

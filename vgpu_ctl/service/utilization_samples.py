@@ -161,19 +161,19 @@ def stored_usage(ctl: Controller, now: float | None = None, hosts: Iterable[str]
     with ctl.engine.connect() as conn:
         rows = STORE.utilization.host_samples(conn, None if hosts is None else list(hosts))
     out = StoredUsage(FleetUsage(t))
-    for r in rows:
+    for host, r in rows:
         age = None if r.sampled_at is None else t - _epoch(r.sampled_at)
         if age is not None:
-            out.ages[r.host] = max(0.0, age)
+            out.ages[host] = max(0.0, age)
         if age is None or age > STALE_INTERVALS * r.interval_s:
             since = "never sampled" if age is None else \
                 f"last sample {age:.0f}s old (stale after {STALE_INTERVALS:g} intervals of {r.interval_s:g}s)"
-            out.usage.hosts[r.host] = f"{r.error}; {since}" if r.error else since
+            out.usage.hosts[host] = f"{r.error}; {since}" if r.error else since
             continue
-        out.usage.hosts[r.host] = r.error
+        out.usage.hosts[host] = r.error
         sample = r.sample or {}
         out.usage.gpus += [GpuUsage(**g) for g in sample.get("gpus", [])]
         out.usage.vgpus += [VgpuUsage(**v) for v in sample.get("vgpus", [])]
-        out.usage.notes += [f"{r.host}: {n}" for n in sample.get("notes", [])]
+        out.usage.notes += [f"{host}: {n}" for n in sample.get("notes", [])]
         out.idle.update(sample.get("idle", {}))
     return out

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Table, delete, insert, select, update
 
+from vgpu_ctl.store.fleet import FleetGpu
 from vgpu_ctl.store.hosts import HostRow
 from vgpu_ctl.store.models import VmMove
 from vgpu_ctl.store.tables import DEVICE, EVENT, GPU, HOST, VM
@@ -79,17 +80,12 @@ class HeldDevice(NamedTuple):
 
 
 class TargetGpu(NamedTuple):
-    """A GPU a move may place on: its pool, its occupancy's columns and the version its compare-and-set checks."""
+    """A GPU a move may place on: its id, the version its compare-and-set checks, and its address, pool and what
+    its occupancy is made of."""
 
     id: int
-    pci_address: str
-    model: str
-    mode: str
-    pool_id: int | None
-    pinned_type: str | None
-    mig_layout: str
-    layout: str
     version: int
+    gpu: FleetGpu
 
 
 class MoveEvent(NamedTuple):
@@ -130,13 +126,8 @@ def host_named(tx: Tx, name: str) -> HostRow | None:
 
 def host_gpus(tx: Tx, host_id: int) -> list[TargetGpu]:
     """The host's GPUs."""
-    return [TargetGpu._make(r) for r in tx.execute(
-        select(*[GPU.c[name] for name in TargetGpu._fields]).where(GPU.c.host_id == host_id))]
-
-
-def set_device_made(tx: Tx, device_id: str, handle: dict[str, Any]) -> None:
-    """The device exists on its host now, as `handle` (backing, uuid, PCI address, GPU instance) says."""
-    tx.execute(update(DEVICE).where(DEVICE.c.id == device_id).values(state="ready", handle=handle))
+    return [TargetGpu(r[0], r[1], FleetGpu._make(r[2:])) for r in tx.execute(
+        select(GPU.c.id, GPU.c.version, *[GPU.c[name] for name in FleetGpu._fields]).where(GPU.c.host_id == host_id))]
 
 
 def last_move(tx: Tx, vm_id: str) -> MoveEvent | None:

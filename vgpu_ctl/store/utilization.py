@@ -77,13 +77,8 @@ class SampleRow(NamedTuple):
 class HostSample(NamedTuple):
     """A kept sample with its host's name."""
 
-    host_id: int
-    attempted_at: datetime
-    sampled_at: datetime | None
-    error: str | None
-    interval_s: float
-    sample: dict[str, Any] | None
     host: str
+    row: SampleRow
 
 
 _SAMPLE_COLUMNS = [SAMPLE.c[name] for name in SampleRow._fields]
@@ -109,8 +104,7 @@ def put_samples(tx: Tx, rows: Sequence[SampleRow]) -> None:
 
 def host_samples(tx: Tx, host_names: Collection[str] | None) -> list[HostSample]:
     """The kept samples of the named hosts (None: of every host), by host name."""
-    query = select(*_SAMPLE_COLUMNS, HOST.c.name.label("host")).join(HOST, HOST.c.id == SAMPLE.c.host_id) \
-        .order_by(HOST.c.name)
+    query = select(HOST.c.name, *_SAMPLE_COLUMNS).join(HOST, HOST.c.id == SAMPLE.c.host_id).order_by(HOST.c.name)
     if host_names is not None:
         query = query.where(HOST.c.name.in_(list(host_names)))
-    return [HostSample._make(r) for r in tx.execute(query)]
+    return [HostSample(r[0], SampleRow._make(r[1:])) for r in tx.execute(query)]
