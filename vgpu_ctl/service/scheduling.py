@@ -282,15 +282,11 @@ def delete_account(conn: Tx, actor: str, name: str) -> None:
 def resolve(conn: Tx, tenant_id: int, tenant: str, requested: str | None) -> PriorityClass:
     """The class a request of the tenant gets (see `core.priority.resolve_class`); InvalidInput naming the field
     priority for an unknown or disallowed class."""
-    known = classes(conn) if requested is not None or _any_class(conn) else {}
+    known = classes(conn) if requested is not None or STORE.scheduling.any_class(conn) else {}
     if not known and requested is None:
         return NO_CLASS
     ts = tenant_settings(conn, tenant_id)
     return resolve_class(requested, known, ts["priority_classes"], ts["default_priority"], tenant)
-
-
-def _any_class(conn: Tx) -> bool:
-    return STORE.scheduling.any_class(conn)
 
 
 def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
