@@ -277,30 +277,27 @@ def test_a_victim_that_cannot_be_freed_stays_and_is_not_requeued(ctl: Controller
     check_store_invariants(ctl.engine)
 
 
-def test_a_requeued_victim_still_there_is_dropped_after_the_grace(ctl: Controller) -> None:
+def test_a_requeued_victim_still_there_is_dropped_after_the_grace(ctl: Controller,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl.service import provision
     classes(ctl)
-    vm = whole(ctl, "acme", "train", priority="batch")
-    tenant_id = vm_tenant(ctl)
-    with ctl.tx() as conn:  # as if a preemption had queued it and then died before releasing it
-        scheduling._enqueue(conn, ctl.principal, tenant_id, {"tenant": "acme", "name": "train", "vgpus": [],
-                                                                  "vcpus": 4, "memory_mib": 8192, "requeued": True},
-                            vm.id)
+    whole(ctl, "acme", "train", priority="batch")
+
+    def die(*_args: Any, **_kw: Any) -> None:
+        raise SystemExit("the preempting process died")
+
+    with monkeypatch.context() as m:  # the preemption queues the victim's request, then dies before releasing it
+        m.setattr(provision, "release_vm", die)
+        with pytest.raises(SystemExit):
+            whole(ctl, "beta", "serve", priority="prod")
+    assert [(q["name"], q["requeued"]) for q in ctl.scheduling.queue()] == [("train", True)]
     ctl.scheduling.admit()
     assert len(ctl.scheduling.queue()) == 1  # young: its preemption may still be running
     ctl.scheduling.set_settings(grace_s=0)
-    monkey = scheduling.PREEMPTION_SLACK_S
-    try:
-        scheduling.PREEMPTION_SLACK_S = 0
-        ctl.scheduling.admit()
-    finally:
-        scheduling.PREEMPTION_SLACK_S = monkey
+    monkeypatch.setattr(scheduling, "PREEMPTION_SLACK_S", 0)
+    ctl.scheduling.admit()
     assert ctl.scheduling.queue() == []
     assert ctl.get_vm("acme/train").state == "running"
-
-
-def vm_tenant(ctl: Controller) -> int:
-    with ctl.engine.connect() as conn:
-        return int(conn.execute(text("SELECT id FROM tenant WHERE name = 'acme'")).scalar_one())
 
 
 def test_cool_down_runs_from_readmission_and_can_be_off(ctl: Controller) -> None:
