@@ -15,7 +15,8 @@ the same request sequence (bench_placement's):
   rows measure the whole create, not the claim alone.
 
 Reported: placements per second of wall clock, p50/p99 latency, ratio to the raw reference, and for the
-allocator how many claims each group commit wrote and the time per claim spent planning in memory and writing.
+allocator how many claims each group commit wrote, how many batches had to be written again claim by claim (a
+claim of the batch lost a race or was refused), and the time per claim spent planning in memory and writing.
 Targets (issue 12): >= 5,000 placements/s through the allocator at 10,000 GPUs with p99 <= 5 ms.
 `--profile FILE` writes a cProfile of the committer's group commits (allocator, many callers).
 
@@ -114,7 +115,8 @@ def phase_claims(url: str, state: Path, reqs: Sequence[Req], clients: int, alloc
             s = ctx.allocator.stats
             claimed = s["claims"] or 1
             out.update(per_batch=s["claims"] / s["batches"] if s["batches"] else 0.0, store_path=s["store_path"],
-                       lost=s["lost"], plan_ms=1000 * s["plan_s"] / claimed, write_ms=1000 * s["write_s"] / claimed)
+                       lost=s["lost"], split=s["split"], plan_ms=1000 * s["plan_s"] / claimed,
+                       write_ms=1000 * s["write_s"] / claimed)
             if profile:
                 prof.dump_stats(profile)
         return out
@@ -159,10 +161,11 @@ def render(report: dict[str, Any]) -> str:
     out = [f"{report['gpus']:,} GPUs, pre-filled {100 * report['prefill']:.1f} %, {report['requests']} requests "
            f"(SQLite); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
            "| phase | placed | refused | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit "
-           "| plan ms per claim | write ms per claim |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| batches split | plan ms per claim | write ms per claim |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        extra = f"{r['per_batch']:.1f} | {r['plan_ms']:.3f} | {r['write_ms']:.3f}" if "per_batch" in r else " | |"
+        extra = (f"{r['per_batch']:.1f} | {r['split']:.0f} | {r['plan_ms']:.3f} | {r['write_ms']:.3f}"
+                 if "per_batch" in r else " | | |")
         out.append(f"| {r['phase']} | {r['created']} | {r['refused']} | {r['per_s']:,.0f} | {r['p50_ms']:.2f} | "
                    f"{r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {extra} |")
     best = max((r for r in report["rows"] if r["phase"].startswith("allocator")), key=lambda r: r["per_s"])

@@ -127,6 +127,46 @@ def test_concurrent_callers_never_double_claim_and_quotas_stay_exact(acme: Contr
     check_store_invariants(acme.engine)
 
 
+def held_storm(ctl: Controller, allocator: Allocator, n: int, profile: str, **kw: Any) -> dict[str, list[Any]]:
+    """A storm of `n` whose claims the committer finds queued together: it holds the first batch until the
+    other callers have planned and queued theirs, so they are written as one batch."""
+    gate = threading.Event()
+    commit = allocator._commit
+
+    def held(batch: Any) -> None:
+        gate.wait(30)
+        commit(batch)
+
+    allocator._commit = held  # type: ignore[method-assign]
+    out: dict[str, list[Any]] = {}
+    storming = threading.Thread(target=lambda: out.update(storm([ctl], profile, n, **kw)))
+    storming.start()
+    for _ in range(3000):
+        if allocator._queue.qsize() >= n - 1:
+            break
+        threading.Event().wait(0.01)
+    gate.set()
+    storming.join()
+    allocator._commit = commit  # type: ignore[method-assign]
+    return out
+
+
+def test_a_batch_is_written_as_one_and_a_loser_in_it_fails_alone(acme: Controller) -> None:
+    allocator = served(acme)
+    got = held_storm(acme, allocator, 6, "1g.10gb")
+    assert got["other"] == got["refused"] == [] and len(got["placed"]) == 6
+    assert allocator.stats["batches"] <= 2 and allocator.stats["split"] == 0  # the first claim(s), then the rest
+    assert len(set(positions(got["placed"]))) == 6 and usage(acme)[("*", "vms")] == 6
+    check_store_invariants(acme.engine)
+
+    acme.set_quota("acme", {"vms": 9})  # 3 more: the batch of 5 as a whole would pass the limit
+    got = held_storm(acme, allocator, 6, "1g.10gb", prefix="t")
+    assert got["other"] == [] and len(got["placed"]) == 3
+    assert all(isinstance(e, QuotaExceeded) for e in got["refused"]) and len(got["refused"]) == 3
+    assert allocator.stats["split"] >= 1 and usage(acme)[("*", "vms")] == 9 and len(acme.list_vms("acme")) == 9
+    check_store_invariants(acme.engine)
+
+
 @pytest.fixture
 def two_replicas(pg_url: str, state_dir: Any) -> Iterator[tuple[Controller, Controller]]:
     one = Controller(pg_url)

@@ -3,13 +3,18 @@ memory, plans against it, and claims written to the store by group commit.
 
     caller:  plan against memory (under the allocator's lock) -> the plan is applied to memory at once, so the
              next caller plans around it -> queued for the committer -> wait until it is durable
-    committer thread: take every queued claim (up to `max_batch`), one write transaction, a savepoint each:
-             charge, take (compare-and-set), VM + devices + audit event (claim.py's own steps) -> commit once
-             -> answer each caller
+    committer thread: take every queued claim (up to `max_batch`) and write them in one transaction:
+             one conditional charge per tenant and per host with the batch's sums, one compare-and-set per GPU
+             (its state after the batch's last claim there, its version moved on by the batch's claims), the
+             priority classes read once, one INSERT of every VM, then each claim's devices, scheduling row and
+             audit event -> commit once -> answer each caller
+             if any of those conditional updates fails, the transaction rolls back and the batch is written
+             again claim by claim, a savepoint each (claim.py's own steps), so one loser fails alone
 
-The store stays the arbiter: each claim's conditional updates run as on the store path, so another replica
-(or process, or a release on this one) that changed a host or GPU since memory was read makes that claim
-lose its savepoint; the allocator then reloads those hosts from the store and the caller plans again. What
+The store stays the arbiter: the conditional updates are the store path's (a sum passes a limit or a host's
+capacity exactly when each of its claims in turn would), so another replica (or process, or a release on this
+one) that changed a host or GPU since memory was read makes that claim lose its savepoint; the allocator then
+reloads those hosts from the store and the caller plans again. What
 memory cannot decide goes the store path (`claim.claim`), which is exact: anti-affinity, dry runs,
 spread-load pools, a request nothing in memory fits (the refusal is then the store's, and memory is reloaded),
 a claim refused in the write (a limit, a name taken, an idempotency key used). Memory is also reloaded every
@@ -30,17 +35,31 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vgpu_ctl.core.geometry import Geometry, Occupancy, fit_mask, profile_bit
-from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest, plan
+from vgpu_ctl.core.placement import (
+    CandidateOrder,
+    GpuView,
+    HostView,
+    PlacementPlan,
+    PlacementRequest,
+    Policy,
+    Score,
+    host_admits,
+    plan_on_host,
+)
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import claim as claims
 from vgpu_ctl.service.fit_masks import lacked_bits
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import VmInfo, VmRequest
+from vgpu_ctl.store.claims import GpuAfter
 
 if TYPE_CHECKING:
+    from vgpu_ctl.core.priority import PriorityClass
     from vgpu_ctl.service.context import ServiceContext
     from vgpu_ctl.service.controller import Controller
 
 MAX_PAGES = 4  # candidate pages planned in memory before the request goes the store path
+PLANS_PER_HOST = 32  # request shapes whose plan on a host is remembered until the host changes
 RETRIES = 8  # lost races planned again in memory before the request goes the store path
 
 
@@ -69,6 +88,7 @@ class _Pool:
     page: alloc.Candidates = field(default_factory=lambda: alloc.Candidates([], {}))
     index: dict[tuple[int, int], list[tuple[int, ...]]] = field(default_factory=dict)
     keys: dict[int, tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = field(default_factory=dict)
+    plans: dict[int, dict[tuple[Any, ...], tuple[Score, PlacementPlan] | None]] = field(default_factory=dict)
 
     def unindex(self, gid: int) -> None:
         """Take a GPU out of the index."""
@@ -91,18 +111,46 @@ class _Pool:
         self.keys[g.gpu_id] = (slots, key)
 
     def put_host(self, view: HostView) -> None:
-        """Replace a host's view (and its GPUs' index entries)."""
+        """Replace a host's view (and the index entries of its GPUs whose view changed); forget its plans."""
         old = self.hosts.get(view.host_id)
+        kept = {id(g) for g in view.gpus}
         for g in old.gpus if old else ():
-            self.unindex(g.gpu_id)
-            self.host_of.pop(g.gpu_id, None)
-            self.gpus.pop(g.gpu_id, None)
+            if id(g) not in kept:
+                self.unindex(g.gpu_id)
+                self.host_of.pop(g.gpu_id, None)
+                self.gpus.pop(g.gpu_id, None)
         self.hosts[view.host_id] = view
+        self.plans.pop(view.host_id, None)
         for g in view.gpus:
+            if self.gpus.get(g.gpu_id) is g:
+                continue
             self.host_of[g.gpu_id] = view.host_id
             self.gpus[g.gpu_id] = g
             self.geometries.setdefault(id(g.occupancy.geometry), g.occupancy.geometry)
             self.reindex(g)
+
+    def plan(self, req: PlacementRequest, hosts: Sequence[HostView], policy: Policy) -> PlacementPlan | None:
+        """`core.placement.plan` over the hosts taken in host order (as over `allocation.distinct_states` of
+        them: hosts in one state score alike, the first in host order wins), each host's plan for the request's
+        shape remembered until the host changes (`put_host`): a claim changes one host, so the next request of
+        a shape plans again only there."""
+        shape = (req.profiles, req.vcpus, req.memory_mib)
+        best: tuple[Score, PlacementPlan] | None = None
+        for host in sorted(hosts, key=lambda h: h.order):
+            if host_admits(host, req) is not None:
+                continue
+            memo = self.plans.setdefault(host.host_id, {})
+            # The whole host's view, or a page of some of its GPUs (named by their ids).
+            key = (shape,) if host is self.hosts.get(host.host_id) else (shape, *(g.gpu_id for g in host.gpus))
+            if key in memo:
+                found = memo[key]
+            else:
+                if len(memo) >= PLANS_PER_HOST:
+                    del memo[next(iter(memo))]
+                found = memo[key] = plan_on_host(host, req, policy)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        return best[1] if best else None
 
     def candidates(self, req: PlacementRequest) -> Iterator[list[HostView]]:
         """Pages of hosts in the policy's candidate order that may take the request (by fit bits and room):
@@ -162,6 +210,25 @@ class _Claim:
     error: BaseException | None = None  # refused in the write (or failed): the store path answers
 
 
+def _gpus_after(batch: Sequence[_Claim]) -> list[GpuAfter] | None:
+    """Each GPU the batch's claims change, as the last of them leaves it, with the version the first read; None
+    when a claim's expected version there is not the one its predecessor in the batch moved it to (memory was
+    reloaded between their plans: only claim by claim can tell which stands)."""
+    seen: dict[int, list[Any]] = {}  # GPU id -> [version read first, claims, occupancy after the last]
+    for item in batch:
+        for gid, occ in item.chosen.occupancies.items():
+            version = item.page.versions[gid]
+            chain = seen.get(gid)
+            if chain is None:
+                seen[gid] = [version, 1, occ]
+            elif version != chain[0] + chain[1]:
+                return None
+            else:
+                chain[1] += 1
+                chain[2] = occ
+    return [GpuAfter(gid, v, n, alloc.gpu_state(occ)) for gid, (v, n, occ) in seen.items()]
+
+
 class Allocator:
     """The fleet in memory for one store, with a committer thread writing claims by group commit."""
 
@@ -176,6 +243,7 @@ class Allocator:
         self._tenants: dict[str, int] = {}
         self._loaded = 0.0
         self.stats: dict[str, float] = {"claims": 0, "batches": 0, "lost": 0, "store_path": 0, "reloads": 0,
+                                        "split": 0,  # batches written again claim by claim
                                         "plan_s": 0.0, "write_s": 0.0}  # seconds planning, and writing batches
         self.reload()
         self._thread = threading.Thread(target=self._commit_loop, name="vgpu-allocator", daemon=True)
@@ -185,7 +253,7 @@ class Allocator:
 
     def reload(self) -> None:
         """Read every pool, host and GPU from the store again (what other replicas and releases changed)."""
-        with self.ctx.engine.connect() as conn:
+        with self.ctx.db.read() as conn:
             rows = claims.all_pools(conn)
             names = {p.id: p.name for p in rows}
             fresh = {}
@@ -201,7 +269,7 @@ class Allocator:
 
     def _reload_hosts(self, pool: _Pool, host_ids: Sequence[int]) -> None:
         """Read the pool's GPUs on these hosts again, after a claim there lost a race."""
-        with self.ctx.engine.connect() as conn:
+        with self.ctx.db.read() as conn:
             names = {p.id: p.name for p in claims.all_pools(conn)}
             found = alloc.all_candidates(conn, self.ctx.catalog, [pool.row.id], (), None, names, host_ids=host_ids)
         with self._lock:
@@ -244,7 +312,6 @@ class Allocator:
             item = self._plan(ctl, req, preq, t_id, delta)
             if item is None:
                 break
-            self._queue.put(item)
             item.done.wait()
             if item.vm is not None:
                 return claims.Claimed(item.vm)
@@ -273,12 +340,16 @@ class Allocator:
 
     def _plan(self, ctl: Controller, req: VmRequest, preq: PlacementRequest, t_id: int,
               delta: dict[str, int]) -> _Claim | None:
-        """The first plan memory finds in the request's pools, applied to memory; None when memory finds none
-        (or the pool needs the store path)."""
+        """The first plan memory finds in the request's pools, applied to memory and queued for the committer
+        (in the order of planning: a claim's expected GPU versions follow those of the claims planned before it);
+        None when memory finds none (or the pool needs the store path)."""
         with self._lock:
             t0 = time.perf_counter()
             try:
-                return self._plan_locked(ctl, req, preq, t_id, delta)
+                item = self._plan_locked(ctl, req, preq, t_id, delta)
+                if item is not None:
+                    self._queue.put(item)
+                return item
             finally:
                 self.stats["plan_s"] += time.perf_counter() - t0
 
@@ -291,7 +362,7 @@ class Allocator:
                 return None
             policy = claims.pool_policy(pool.row.policy, pool.row.demand)
             for n, hosts in enumerate(pool.candidates(preq)):
-                chosen = plan(preq, alloc.distinct_states(hosts, preq), policy)
+                chosen = pool.plan(preq, hosts, policy)
                 if chosen is not None:
                     page = self._apply(pool, req, chosen)
                     charges = claims.scoped_charges(pool.row.name, delta, preq.profiles)
@@ -322,13 +393,13 @@ class Allocator:
                 self._safely(self.reload)
 
     def _commit(self, batch: list[_Claim]) -> None:
-        """Write a batch in one transaction, a savepoint per claim; answer each caller once it is durable."""
+        """Write a batch in one transaction (claim by claim if it must); answer each caller once it is durable."""
         t0 = time.perf_counter()
         try:
-            with self.ctx.write_turn(), self.ctx.engine.connect() as conn, conn.begin() as trans:
-                for item in batch:
-                    self._write_one(conn, item)
-                trans.commit()
+            if not (len(batch) > 1 and self._write_batch(batch)):
+                with self.ctx.db.write() as tx:
+                    for item in batch:
+                        self._write_one(tx, item)
         except BaseException as exc:  # the transaction failed as a whole: nothing of the batch is durable
             for item in batch:
                 item.vm, item.lost, item.error = None, False, exc
@@ -347,22 +418,73 @@ class Allocator:
         for item in batch:
             item.done.set()
 
-    @staticmethod
-    def _write_one(conn: Any, item: _Claim) -> None:
-        savepoint = conn.begin_nested()
+    def _write_batch(self, batch: list[_Claim]) -> bool:
+        """Write every claim of the batch with summed conditional updates in one transaction; False (nothing
+        written) when one of them would not pass, or the batch's plans on a GPU do not follow each other."""
+        gpus = _gpus_after(batch)
+        if gpus is None:
+            return False
         try:
-            if claims.charge(conn, item.tenant_id, item.req.tenant, item.delta, item.charges):
-                savepoint.rollback()  # a pool-scoped limit: the store path tries the next pool, or explains
-                return
-            cls = claims.take(conn, item.tenant_id, item.req, item.chosen, item.page)
-            item.vm = claims.record_vm(item.ctl, conn, item.tenant_id, item.req, item.pool.row, item.chosen,
-                                       item.page, item.delta, item.charges, cls)
-            savepoint.commit()
+            with self.ctx.db.write() as tx:
+                vms = self._write_all(tx, batch, gpus)
+        except Exception:  # a claim of the batch would lose or be refused: each on its own says which
+            with self._lock:
+                self.stats["split"] += 1
+            return False
+        for item, vm in zip(batch, vms, strict=True):
+            item.vm = vm
+        return True
+
+    @staticmethod
+    def _write_all(tx: Tx, batch: Sequence[_Claim], gpus: Sequence[GpuAfter]) -> list[VmInfo]:
+        """The batch's writes in `tx` (raising at the first conditional update that fails); its VMs. Rows are
+        locked tenants, then hosts, then GPUs, each in id order, as a single claim locks them."""
+        from vgpu_ctl.service import scheduling
+        tenants: dict[int, tuple[dict[str, int], dict[tuple[str, str], int]]] = {}
+        hosts: dict[int, list[int]] = {}
+        for item in batch:
+            delta, charges = tenants.setdefault(item.tenant_id, ({}, {}))
+            for r, n in item.delta.items():
+                delta[r] = delta.get(r, 0) + n
+            for k, n in item.charges.items():
+                charges[k] = charges.get(k, 0) + n
+            used = hosts.setdefault(item.chosen.host_id, [0, 0])
+            used[0] += item.req.vcpus
+            used[1] += item.req.memory_mib
+        for t_id in sorted(tenants):
+            delta, charges = tenants[t_id]
+            charged = alloc.charge_tenant(tx, t_id, delta)
+            if charged is alloc.TenantCharge.OVER_LIMIT or (
+                    charged is alloc.TenantCharge.CHARGED_SCOPED and alloc.charge_scoped(tx, t_id, charges)):
+                raise alloc.ClaimConflict(f"tenant {t_id}: the batch passes a limit")
+        classes: dict[tuple[int, str, str | None], PriorityClass] = {}
+        for item in batch:
+            key = (item.tenant_id, item.req.tenant, item.req.priority)
+            if key not in classes:
+                classes[key] = scheduling.resolve(tx, *key)
+        for h_id in sorted(hosts):
+            alloc.claim_host(tx, h_id, *hosts[h_id])
+        if not STORE.claims.write_gpus_after(tx, gpus):
+            raise alloc.ClaimConflict("a GPU changed")
+        rows = [claims.vm_row(i.tenant_id, i.req, i.pool.row, i.chosen, i.delta, i.charges) for i in batch]
+        STORE.claims.add_vms(tx, rows)
+        return [claims.record_devices(i.ctl, tx, row, i.req, i.pool.row, i.chosen, i.page,
+                                      classes[(i.tenant_id, i.req.tenant, i.req.priority)])
+                for i, row in zip(batch, rows, strict=True)]
+
+    @staticmethod
+    def _write_one(tx: Tx, item: _Claim) -> None:
+        """One claim in a savepoint of the batch's transaction (its outcome on `item`)."""
+        try:
+            with STORE.claims.savepoint(tx) as undo:
+                if claims.charge(tx, item.tenant_id, item.req.tenant, item.delta, item.charges):
+                    undo()  # a pool-scoped limit: the store path tries the next pool, or explains
+                cls = claims.take(tx, item.tenant_id, item.req, item.chosen, item.page)
+                item.vm = claims.record_vm(item.ctl, tx, item.tenant_id, item.req, item.pool.row, item.chosen,
+                                           item.page, item.delta, item.charges, cls)
         except alloc.ClaimConflict as exc:  # the store changed since memory was read: plan again
-            savepoint.rollback()
-            item.lost, item.error = True, exc
+            item.vm, item.lost, item.error = None, True, exc
         except Exception as exc:  # refused in the write (a limit, a name, a key) or failed: the store path answers
-            savepoint.rollback()
             item.vm, item.error = None, exc
 
     def _safely(self, fn: Callable[[], None]) -> None:

@@ -17,15 +17,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
-
-from sqlalchemy import Integer, String, bindparam, cast, select
-from sqlalchemy.engine import Connection, RootTransaction
-from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.backings import backing_for
@@ -44,25 +39,17 @@ from vgpu_ctl.core.vm_state import VmState
 from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, QuotaExceeded, Refused, did_you_mean
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.audit import record
-from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.service.leases import expiry
-from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VmInfo, VmRequest
-from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.claims import PoolRow
+from vgpu_ctl.store.unit import StoreError
 
 if TYPE_CHECKING:
     from vgpu_ctl.core.priority import PriorityClass
     from vgpu_ctl.service.controller import Controller
 
 MAX_RETRIES = 30
-
-# A pool's demand as its stored JSON text: the policy is cached by it (see pool_policy).
-_POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
-_POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
-_ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
-_INSERT_VM = insert_all(VM)
-_VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
-                                            VM.c.idempotency_key == bindparam("key")))
 
 
 # -- results ----------------------------------------------------------------------------------------------------
@@ -96,7 +83,7 @@ class Ask:
     """A request as the claim sees it once the store has been read: tenant, pools, the quota charge."""
 
     tenant_id: int
-    pools: list[Any]
+    pools: list[PoolRow]
     profiles: tuple[str, ...]
     delta: dict[str, int]
     preq: PlacementRequest
@@ -119,24 +106,24 @@ def pool_policy(name: str, demand_json: str | None) -> Policy:
     return get_policy(name, shapes)
 
 
-def pool_row(conn: Connection, name: str) -> Any:
+def pool_row(conn: Tx, name: str) -> PoolRow:
     """The pool named `name` with the columns a claim needs (id, name, policy, template, demand); NotFound
     naming the known pools."""
-    rows = _POOL_BY_NAME.rows(conn, {"name": name})
-    if not rows:
-        known = ", ".join(r[0] for r in conn.execute(select(POOL.c.name).order_by(POOL.c.name)))
+    row = STORE.claims.pool_row(conn, name)
+    if row is None:
+        known = ", ".join(STORE.claims.pool_names(conn))
         raise NotFound(f"pool {name!r} not found (known: {known or 'none'})",
                        reasons=[{"field": "pool", "value": name}])
-    return rows[0]
+    return row
 
 
-def all_pools(conn: Connection) -> list[Any]:
+def all_pools(conn: Tx) -> list[PoolRow]:
     """Every pool with the columns a claim needs, by name (the order a request without a pool tries them)."""
-    return list(_ALL_POOLS.rows(conn))
+    return STORE.claims.all_pools(conn)
 
 
-def check_profiles(conn: Connection | None, catalog: Catalog, req: VmRequest, pools: Sequence[Any],
-                   offers_too: bool = True) -> list[Any]:
+def check_profiles(conn: Tx | None, catalog: Catalog, req: VmRequest, pools: Sequence[PoolRow],
+                   offers_too: bool = True) -> list[PoolRow]:
     """InvalidInput for an unknown or (with `offers_too`) unoffered profile; else the pools that offer every
     requested one (all of `pools` if none does, so that the refusal explains each; `conn` only for that). A VM
     without vGPUs: every pool (its hosts are those holding one of its GPUs)."""
@@ -178,7 +165,7 @@ def charge_of(catalog: Catalog, profiles: Sequence[str], vcpus: int, memory_mib:
             "vcpus": vcpus, "memory_mib": memory_mib}
 
 
-def read_ask(ctl: Controller, conn: Connection, req: VmRequest, offers_too: bool = True) -> Ask | AlreadyMade:
+def read_ask(ctl: Controller, conn: Tx, req: VmRequest, offers_too: bool = True) -> Ask | AlreadyMade:
     """What the claim needs to know of the store, or the VM the request's idempotency key already made.
     Without `offers_too` a named pool is not asked whether it offers the profiles (a plan there proves it; the
     claim asks only when none is found)."""
@@ -203,33 +190,27 @@ def claim(ctl: Controller, req: VmRequest, dry_run: bool = False) -> ClaimResult
     for attempt in range(MAX_RETRIES):
         try:
             return _attempt(ctl, req, dry_run)
-        except (alloc.ClaimConflict, OperationalError) as exc:
-            if isinstance(exc, OperationalError) and not _contended(exc):
-                raise
+        except alloc.ClaimConflict:
             time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
-        except IntegrityError as exc:
-            why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
+        except StoreError as exc:
+            why = STORE.claims.claim_error(exc)
+            if why is None:
+                raise
+            if why == "contended":
+                time.sleep(0.001 * attempt)
+                continue
             # The same key with the same name may trip either unique constraint first: a VM made by the key is
             # the answer whichever it was.
             made = _made_by_key(ctl, req) if req.idempotency_key else None
             if made is not None:
                 return made
-            if "vm_idempotency_unique" in why or "vm.idempotency_key" in why:
+            if why == "idempotency_key":
                 continue  # not visible yet to this connection: the next attempt finds it
-            if "vm_tenant_name_unique" in why or "vm.name" in why:
+            if why == "name":
                 raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
                                reasons=[{"field": "name", "value": req.name}]) from None
-            if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
-                time.sleep(0.001 * (attempt + 1))
-                continue
-            raise
+            time.sleep(0.001 * (attempt + 1))  # a device position taken meanwhile
     raise Conflict("too many concurrent claims on the same GPUs; try again")
-
-
-def _contended(exc: OperationalError) -> bool:
-    """Whether a driver error is a lock, deadlock or serialization failure (retried), not a broken store."""
-    text = str(exc).lower()
-    return "lock" in text or "deadlock" in text or "serializ" in text
 
 
 def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
@@ -237,14 +218,14 @@ def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
     assert req.idempotency_key is not None
     with ctl.engine.connect() as conn:
         made = _by_key(conn, ctl._tenant_id(conn, req.tenant), req.idempotency_key)
-        end_read(conn)
+        STORE.claims.end_read_on(conn)
     return made
 
 
-def _by_key(conn: Connection, tenant_id: int, key: str) -> AlreadyMade | None:
+def _by_key(conn: Tx, tenant_id: int, key: str) -> AlreadyMade | None:
     """The tenant's VM made with idempotency key `key`, read on `conn`, if there is one."""
-    row = _VM_BY_KEY.run(conn, {"t_id": tenant_id, "key": key}).fetchone()
-    return None if row is None else AlreadyMade(str(row[0]))
+    vm_id = STORE.claims.vm_by_key(conn, tenant_id, key)
+    return None if vm_id is None else AlreadyMade(vm_id)
 
 
 def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
@@ -259,8 +240,8 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
             chosen, page = _plan_in_pool(ctl, conn, ask.preq, pool, ask.pool_names)
             if chosen is None and req.pool:  # the named pool was not asked whether it offers the profiles
                 check_profiles(conn, ctl.catalog, req, ask.pools)
-            _end_read(conn)
-            with _write(ctl, conn) as trans:
+            STORE.claims.end_read_on(conn)
+            with ctl.write_turn(), STORE.claims.write_on(conn) as commit:
                 charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
                 failed = charge(conn, ask.tenant_id, req.tenant, ask.delta, charges)
                 if failed:  # this pool's own limits are reached: the next pool may take it
@@ -273,33 +254,12 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
                 if dry_run:
                     return Planned(placement_of(chosen, page, pool.name))
                 vm = record_vm(ctl, conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges, cls)
-                trans.commit()
+                commit()
                 return Claimed(vm)
         raise _refusal(req, ask.profiles, reasons)
 
 
-def _end_read(conn: Connection) -> None:
-    """End the read's transaction, so that the write starts a fresh one (the read may have run prepared
-    statements at the driver only, or also SQLAlchemy's, e.g. for an anti-affinity group)."""
-    if conn.in_transaction():
-        conn.rollback()
-    else:
-        end_read(conn)
-
-
-@contextmanager
-def _write(ctl: Controller, conn: Connection) -> Iterator[RootTransaction]:
-    """A write transaction on `conn` in this process's turn, rolled back unless the caller commits it."""
-    with ctl.write_turn():
-        trans = conn.begin()
-        try:
-            yield trans
-        finally:
-            if trans.is_active:
-                trans.rollback()
-
-
-def _plan_in_pool(ctl: Controller, conn: Connection, preq: PlacementRequest, pool: Any,
+def _plan_in_pool(ctl: Controller, conn: Tx, preq: PlacementRequest, pool: PoolRow,
                   pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
     """The pool policy's plan over the pool's candidate pages, page by page, with the page it came from."""
     by_load = pool.policy == "spread-load"
@@ -319,7 +279,7 @@ def _plan_in_pool(ctl: Controller, conn: Connection, preq: PlacementRequest, poo
     return None, alloc.Candidates([], {})
 
 
-def _capacity_reason(ctl: Controller, conn: Connection, ask: Ask, pool: Any) -> dict[str, Any]:
+def _capacity_reason(ctl: Controller, conn: Tx, ask: Ask, pool: PoolRow) -> dict[str, Any]:
     """Why nothing in the pool takes the request: its GPUs, and how many fail on what (with the GPUs whose host
     lacks a profile's type id, and what to do); for a VM without vGPUs, its hosts and why each does not."""
     everything = alloc.all_candidates(conn, ctl.catalog, [pool.id], ask.profiles, ask.preq.anti_affinity,
@@ -369,7 +329,7 @@ def scoped_charges(pool: str, delta: Mapping[str, int], profiles: Sequence[str])
     return charges
 
 
-def charge(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, int],
+def charge(conn: Tx, tenant_id: int, tenant: str, delta: Mapping[str, int],
            charges: Mapping[tuple[str, str], int]) -> list[tuple[str, str]]:
     """Charge the tenant's global usage and its scoped limits in the caller's transaction; the scoped
     (scope, resource) limits that would pass (the caller rolls back). QuotaExceeded when a global one would."""
@@ -379,7 +339,7 @@ def charge(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, in
     return alloc.charge_scoped(conn, tenant_id, charges) if charged is alloc.TenantCharge.CHARGED_SCOPED else []
 
 
-def take(conn: Connection, tenant_id: int, req: VmRequest, chosen: PlacementPlan,
+def take(conn: Tx, tenant_id: int, req: VmRequest, chosen: PlacementPlan,
          page: alloc.Candidates) -> PriorityClass:
     """Take the plan's host capacity and GPU positions by compare-and-set (ClaimConflict when the host, a GPU
     or the request's anti-affinity group changed since `page` was read); the request's priority class."""
@@ -399,28 +359,42 @@ def placement_of(chosen: PlacementPlan, page: alloc.Candidates, pool: str) -> Pl
                                                            d.start, d.size) for d in chosen.devices))
 
 
-def record_vm(ctl: Controller, conn: Connection, tenant_id: int, req: VmRequest, pool: Any, chosen: PlacementPlan,
+def record_vm(ctl: Controller, conn: Tx, tenant_id: int, req: VmRequest, pool: PoolRow, chosen: PlacementPlan,
               page: alloc.Candidates, delta: Mapping[str, int], charges: Mapping[tuple[str, str], int],
               cls: PriorityClass) -> VmInfo:
     """Insert the VM (placed) and its devices for a plan `take` took, with its charges and priority class
     `cls`, audited; the VM as written."""
-    from vgpu_ctl.service import scheduling
-    backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
-                                     page.backings[chosen.host_id]).value for d in chosen.devices}
-    placement = placement_of(chosen, page, pool.name)
-    vm_id = req.vm_id or str(uuid.uuid4())
+    row = vm_row(tenant_id, req, pool, chosen, delta, charges)
+    STORE.claims.add_vms(conn, [row])
+    return record_devices(ctl, conn, row, req, pool, chosen, page, cls)
+
+
+def vm_row(tenant_id: int, req: VmRequest, pool: PoolRow, chosen: PlacementPlan, delta: Mapping[str, int],
+           charges: Mapping[tuple[str, str], int]) -> dict[str, Any]:
+    """The VM row (state placed) a claim of the plan inserts, with its charges (a new id unless the request
+    brings one)."""
     spec = {"vgpus": [[v.profile, v.count] for v in req.vgpus], "labels": req.labels,
             "delta": dict(delta), "charges": [[s, r, n] for (s, r), n in charges.items()],
             "disk_gib": req.disk_gib, "network": req.network, "pool": req.pool, "template": req.template}
-    _INSERT_VM.run(conn, fill_defaults(VM, {
-        "id": vm_id, "tenant_id": tenant_id, "name": req.name, "pool_id": pool.id, "host_id": chosen.host_id,
-        "vcpus": req.vcpus, "memory_mib": req.memory_mib, "framebuffer_mib": delta["framebuffer_mib"],
-        "state": VmState.PLACED.value, "idempotency_key": req.idempotency_key,
-        "anti_affinity": req.anti_affinity,
-        "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
-        "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}))
+    return {"id": req.vm_id or str(uuid.uuid4()), "tenant_id": tenant_id, "name": req.name, "pool_id": pool.id,
+            "host_id": chosen.host_id, "vcpus": req.vcpus, "memory_mib": req.memory_mib,
+            "framebuffer_mib": delta["framebuffer_mib"], "state": VmState.PLACED.value,
+            "idempotency_key": req.idempotency_key, "anti_affinity": req.anti_affinity,
+            "template": req.template or pool.template or "domain.xml.j2", "spec": spec,
+            "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}
+
+
+def record_devices(ctl: Controller, conn: Tx, row: Mapping[str, Any], req: VmRequest, pool: PoolRow,
+                   chosen: PlacementPlan, page: alloc.Candidates, cls: PriorityClass) -> VmInfo:
+    """For a VM row inserted (`vm_row`): its devices, its scheduling row (class `cls`) and its audit event; the
+    VM as written."""
+    from vgpu_ctl.service import scheduling
+    vm_id = row["id"]
+    backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
+                                     page.backings[chosen.host_id]).value for d in chosen.devices}
+    placement = placement_of(chosen, page, pool.name)
     rows = alloc.insert_devices(conn, ctl.catalog, vm_id, chosen, backing)
-    scheduling.attach(conn, ctl.catalog, vm_id, tenant_id, cls, chosen, req.history)
+    scheduling.attach(conn, ctl.catalog, vm_id, row["tenant_id"], cls, chosen, req.history)
     record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
            params={"name": req.name, "host": chosen.host, "pool": pool.name,
                    "devices": [d.to_dict() for d in placement.devices]})
@@ -428,10 +402,10 @@ def record_vm(ctl: Controller, conn: Connection, tenant_id: int, req: VmRequest,
                                r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
                     for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
     return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
-                  req.memory_mib, delta["framebuffer_mib"], devices,
+                  req.memory_mib, row["framebuffer_mib"], devices,
                   simulated=page.simulated.get(chosen.host_id, False), generation=1)
 
 
 __all__ = ["MAX_RETRIES", "AlreadyMade", "Ask", "ClaimResult", "Claimed", "Planned", "all_pools", "charge",
            "charge_of", "check_profiles", "claim", "framebuffer", "placement_of", "pool_policy", "pool_row",
-           "read_ask", "record_vm", "scoped_charges", "take"]
+           "read_ask", "record_devices", "record_vm", "scoped_charges", "take", "vm_row"]

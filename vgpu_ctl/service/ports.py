@@ -5,11 +5,14 @@ keep the SQL and its speed machinery (prepared statements, fit masks, writer que
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
 from vgpu_ctl.store.events import EventRow
+from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
 from vgpu_ctl.store.fleet import FleetRows
 from vgpu_ctl.store.host_types import LackingGpu, TypedGpu, TypeIds
 from vgpu_ctl.store.hosts import HostGpu, HostRow, HostState
@@ -70,6 +73,66 @@ class EventStore(Protocol):
 
     def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
         """Events, oldest first, of a tenant and since a time when given."""
+
+
+class ClaimStore(Protocol):
+    """What a claim reads and writes beside the conditional updates of allocation: pools, VM rows, the group
+    commit's GPU writes, its transaction and savepoints, and what a store error means to it."""
+
+    def pool_row(self, tx: Tx, name: str) -> PoolRow | None:
+        """The pool named `name`."""
+
+    def all_pools(self, tx: Tx) -> list[PoolRow]:
+        """Every pool, by name."""
+
+    def pool_names(self, tx: Tx) -> list[str]:
+        """Every pool's name, sorted."""
+
+    def vm_by_key(self, tx: Tx, tenant_id: int, key: str) -> str | None:
+        """The id of the tenant's VM made with an idempotency key."""
+
+    def add_vms(self, tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert VM rows in one statement."""
+
+    def write_gpus_after(self, tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
+        """Store GPUs' states after a batch by compare-and-set; False at the first that changed."""
+
+    def end_read_on(self, tx: Tx) -> None:
+        """End the read's transaction on `tx`."""
+
+    def write_on(self, tx: Tx) -> AbstractContextManager[Callable[[], None]]:
+        """A write transaction on `tx`, rolled back unless its commit is called."""
+
+    def savepoint(self, tx: Tx) -> AbstractContextManager[Callable[[], None]]:
+        """A savepoint, rolled back on an error or by the undo it gives."""
+
+    def claim_error(self, exc: BaseException) -> ClaimError | None:
+        """What a store error raised by a claim's write means."""
+
+
+class FitMaskStore(Protocol):
+    """GPUs' fit masks, the catalog they were computed with, and the host summaries."""
+
+    def meta_value(self, tx: Tx, key: str) -> str | None:
+        """A value of the store's meta table."""
+
+    def set_meta_value(self, tx: Tx, key: str, value: str) -> None:
+        """Store a value in the meta table."""
+
+    def mask_rows(self, tx: Tx) -> list[MaskRow]:
+        """Every GPU as its mask is computed from."""
+
+    def set_masks(self, tx: Tx, changes: Sequence[tuple[int, int, int]]) -> None:
+        """Set (GPU id, fit mask, lacked bits) of GPUs."""
+
+    def summaries_from_gpus(self, tx: Tx) -> dict[SummaryKey, tuple[int, int]]:
+        """The host summaries the GPU rows give."""
+
+    def stored_summaries(self, tx: Tx) -> dict[SummaryKey, tuple[int, int]]:
+        """The host summaries as stored."""
+
+    def replace_summaries(self, tx: Tx, rows: Mapping[SummaryKey, tuple[int, int]]) -> None:
+        """Make `rows` every host summary."""
 
 
 class FleetStore(Protocol):
@@ -633,6 +696,14 @@ class Store(Protocol):
         """The audit trail."""
 
     @property
+    def claims(self) -> ClaimStore:
+        """Claims."""
+
+    @property
+    def fit_masks(self) -> FitMaskStore:
+        """Fit masks and host summaries."""
+
+    @property
     def fleet(self) -> FleetStore:
         """The fleet."""
 
@@ -696,8 +767,8 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "EventStore", "FleetStore", "GpuLoadStore", "HostStore", "HostTypeStore", "IdempotencyStore",
-    "InventoryStore",
-    "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore", "SchedulingStore", "Store", "TenantStore",
-    "TokenStore", "Tx", "UtilizationStore", "VmSchedStore", "VmStore", "utcnow",
+    "STORE", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore", "GpuLoadStore", "HostStore", "HostTypeStore",
+    "IdempotencyStore", "InventoryStore", "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore",
+    "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore", "VmStore",
+    "utcnow",
 ]

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Final
 
 from vgpu_ctl.store import (
+    claims,
     events,
+    fit_masks,
     fleet,
     gpu_loads,
     host_types,
@@ -32,7 +34,9 @@ class SqlStore:
     work (`vgpu_ctl.store.unit.Tx`) it runs in."""
 
     tokens: Final = tokens
+    claims: Final = claims
     events: Final = events
+    fit_masks: Final = fit_masks
     fleet: Final = fleet
     gpu_loads: Final = gpu_loads
     host_types: Final = host_types

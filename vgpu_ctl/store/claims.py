@@ -1,0 +1,168 @@
+"""Claims in the store (service/claim.py, service/allocator.py): the pools a claim reads, the VM rows it inserts,
+the transaction it writes in, and a group commit's GPU compare-and-sets.
+
+The claim's conditional updates themselves (tenant and scoped charges, host capacity, a GPU's version) are the
+ones of service/allocation.py; what is here lets a group commit write many claims with one statement per GPU
+(the occupancy after the batch's last claim there, its version moved on by the batch's claims) and one INSERT
+of all its VMs, and lets the claim tell the store's errors apart without knowing the driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal, NamedTuple
+
+from sqlalchemy import BigInteger, Integer, String, bindparam, cast, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.tables import GPU, POOL, VM
+from vgpu_ctl.store.unit import Tx
+
+
+class PoolRow(NamedTuple):
+    """A pool with the columns a claim needs; its demand as the stored JSON text (policies are cached by it)."""
+
+    id: int
+    name: str
+    policy: str
+    template: str | None
+    demand: str | None
+
+
+_POOL_COLS = (POOL.c.id, POOL.c.name, POOL.c.policy, POOL.c.template, cast(POOL.c.demand, String).label("demand"))
+_POOL_BY_NAME = Prepared(select(*_POOL_COLS).where(POOL.c.name == bindparam("name")))
+_ALL_POOLS = Prepared(select(*_POOL_COLS).order_by(POOL.c.name))
+_POOL_NAMES = Prepared(select(POOL.c.name).order_by(POOL.c.name))
+_INSERT_VM = insert_all(VM)
+_VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
+                                            VM.c.idempotency_key == bindparam("key")))
+
+
+def pool_row(tx: Tx, name: str) -> PoolRow | None:
+    """The pool named `name`."""
+    rows = _POOL_BY_NAME.rows(tx, {"name": name})
+    return PoolRow(*rows[0]) if rows else None
+
+
+def all_pools(tx: Tx) -> list[PoolRow]:
+    """Every pool, by name."""
+    return [PoolRow(*r) for r in _ALL_POOLS.rows(tx)]
+
+
+def pool_names(tx: Tx) -> list[str]:
+    """Every pool's name, sorted."""
+    return [r[0] for r in _POOL_NAMES.run(tx).fetchall()]
+
+
+def vm_by_key(tx: Tx, tenant_id: int, key: str) -> str | None:
+    """The id of the tenant's VM made with idempotency key `key`."""
+    row = _VM_BY_KEY.run(tx, {"t_id": tenant_id, "key": key}).fetchone()
+    return None if row is None else str(row[0])
+
+
+def add_vms(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert VM rows (columns by name; those left out take their defaults) in one statement."""
+    filled = [fill_defaults(VM, r) for r in rows]
+    if len(filled) == 1:
+        _INSERT_VM.run(tx, filled[0])
+    elif filled:
+        _INSERT_VM.run_many(tx, filled)
+
+
+class GpuAfter(NamedTuple):
+    """A GPU as a group commit leaves it: the version its first claim read, how many claims of the batch change
+    it, and the state columns (allocation.GPU_STATE_COLUMNS) after the last of them."""
+
+    gpu_id: int
+    version: int
+    claims: int
+    state: Mapping[str, Any]
+
+
+_STATE = ("layout", "free_units", "active_type", "device_count")
+# The fit mask less the bits of the profiles the GPU's host lacks type ids for (as allocation.write_gpu stores it).
+_WRITE_GPU_AFTER = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type_=Integer),
+                                               GPU.c.version == bindparam("g_version", type_=Integer)).values(
+    {**{name: bindparam(f"g_{name}", type_=GPU.c[name].type) for name in _STATE},
+     "fits": bindparam("g_fits", type_=BigInteger) - bindparam("g_fits", type_=BigInteger).op("&")(GPU.c.lacks),
+     "version": GPU.c.version + bindparam("g_claims", type_=Integer)}))
+
+
+def write_gpus_after(tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
+    """Store each GPU's state after the batch if nobody changed it since its version was read, in id order (as
+    claims lock GPU rows); False at the first that changed (the caller rolls the transaction back)."""
+    for g in sorted(gpus, key=lambda g: g.gpu_id):
+        res = _WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
+                                        **{f"g_{k}": g.state[k] for k in (*_STATE, "fits")}})
+        if res.rowcount != 1:
+            return False
+    return True
+
+
+def end_read_on(tx: Tx) -> None:
+    """End the read's transaction on `tx`, so that a write there starts a fresh one (the read may have run
+    prepared statements at the driver only, or also ordinary ones, e.g. for an anti-affinity group)."""
+    if tx.in_transaction():
+        tx.rollback()
+    else:
+        end_read(tx)
+
+
+@contextmanager
+def write_on(tx: Tx) -> Iterator[Callable[[], None]]:
+    """A write transaction on `tx` (a connection a read ended on), rolled back unless the caller calls the
+    commit it is given."""
+    trans = tx.begin()
+    try:
+        yield trans.commit
+    finally:
+        if trans.is_active:
+            trans.rollback()
+
+
+class _RolledBack(Exception):
+    """Raised inside `savepoint` by `undo` to roll back its block without an error."""
+
+
+@contextmanager
+def savepoint(tx: Tx) -> Iterator[Callable[[], None]]:
+    """A savepoint in the caller's transaction: released at the end of the block, rolled back if it raises
+    (the error goes on) or if the block calls the `undo` it is given (and then leaves at once)."""
+    nested = tx.begin_nested()
+    try:
+        yield _undo
+    except _RolledBack:
+        nested.rollback()
+        return
+    except BaseException:
+        nested.rollback()
+        raise
+    nested.commit()
+
+
+def _undo() -> None:
+    raise _RolledBack
+
+
+ClaimError = Literal["contended", "idempotency_key", "name", "position"]
+
+
+def claim_error(exc: BaseException) -> ClaimError | None:
+    """What a store error raised by a claim's write means: a lock, deadlock or serialization failure
+    ("contended": try again), a unique idempotency key or VM name taken, a device position held or overlapping;
+    None for anything else (a broken store, another constraint)."""
+    if isinstance(exc, OperationalError):
+        text = str(exc).lower()
+        return "contended" if "lock" in text or "deadlock" in text or "serializ" in text else None
+    if not isinstance(exc, IntegrityError):
+        return None
+    why = str(exc.orig)  # the driver's message only: str(exc) also holds the statement's SQL
+    if "vm_idempotency_unique" in why or "vm.idempotency_key" in why:
+        return "idempotency_key"
+    if "vm_tenant_name_unique" in why or "vm.name" in why:
+        return "name"
+    if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
+        return "position"
+    return None
