@@ -13,16 +13,20 @@ pinned to A100D-10C) / H100-80GB mig (every fourth GPU with a declared MIG layou
    (nothing changed), `status` (the summary), `status --gpus --limit 100`, `doctor`, `metrics dump`,
    `reconcile` (read-only: every simulated host listed and compared with the store).
 
-Start-up on its own: `vgpuctl --help` and `vgpuctl profiles list` (no store).
+Start-up on its own: `vgpuctl --help` and `vgpuctl profiles list` (no store), the median of `--startup-runs`
+runs (default 10); with `--baseline SRC` (a checkout of another commit, e.g. `git worktree add /tmp/before
+HEAD~1`), the same commands from that tree are timed beside, run for run, so a before/after comparison sees
+the same load. `--sizes ""` times the start-up only.
 
-Each figure is the best of `--runs` runs (default 3; start-up: 5) of the same command, since the commands in
-step 3 change nothing and the machine may be shared; the first apply runs once. Beside the wall-clock seconds,
+Each figure in step 3 is the best of `--runs` runs (default 3) of the same command, since those commands
+change nothing and the machine may be shared; the first apply runs once. Beside the wall-clock seconds,
 the CPU seconds (user + system) of that run's process, and the load average before and after, so a slow figure
 on a busy machine can be told from a slow command.
 Targets (issue 12): apply of 100k GPUs < 30 s, every other command < 5 s at 100k GPUs, --help and profiles list
 < 0.3 s. Each command's exit status is checked (doctor and reconcile must find the fleet consistent).
 
-Usage: bench_admin.py [--sizes 10000,100000] [--vms 200] [--runs 3] [--json] [--keep DIR]
+Usage: bench_admin.py [--sizes 10000,100000] [--vms 200] [--runs 3] [--startup-runs 10] [--baseline SRC]
+                      [--json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,16 +169,26 @@ def bench_size(n_gpus: int, n_vms: int, root: Path, runs: int) -> dict[str, Any]
     return row
 
 
-def startup(runs: int = 5) -> dict[str, tuple[float, float]]:
-    """(wall, CPU) seconds of the fastest of `runs` runs of `vgpuctl --help` and `vgpuctl profiles list` (no
-    store is opened)."""
+def startup(runs: int = 10, baseline: Path | None = None) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per tree ("this", and "baseline" when given: its sources first on PYTHONPATH), the median (wall, CPU)
+    seconds of `runs` runs of `vgpuctl --help` and `vgpuctl profiles list` (no store is opened), the trees'
+    runs interleaved."""
     cli = vgpuctl()
     env = {**os.environ, "COLUMNS": "120"}
-    out = {}
+    trees = {"this": env}
+    if baseline is not None:
+        trees["baseline"] = {**env, "PYTHONPATH": os.pathsep.join([str(baseline), env.get("PYTHONPATH", "")])}
+    out: dict[str, dict[str, tuple[float, float]]] = {tree: {} for tree in trees}
     for name, args in (("--help", ["--help"]), ("profiles list", ["profiles", "list"])):
-        timed([*cli, *args], env)  # warm the file cache
-        wall, cpu, _ = best_of(runs, [*cli, *args], env)
-        out[name] = (wall, cpu)
+        seen: dict[str, list[tuple[float, float]]] = {tree: [] for tree in trees}
+        for tree_env in trees.values():
+            timed([*cli, *args], tree_env)  # warm the file cache (and fill the catalog's cache)
+        for _ in range(runs):
+            for tree, tree_env in trees.items():
+                wall, cpu, _ = timed([*cli, *args], tree_env)
+                seen[tree].append((wall, cpu))
+        for tree, got in seen.items():
+            out[tree][name] = (statistics.median(w for w, _ in got), statistics.median(c for _, c in got))
     return out
 
 
@@ -191,31 +206,35 @@ def render(report: Mapping[str, Any]) -> str:
     of the process in brackets), the target beside, met or not at the largest size."""
     rows = report["sizes"]
     width = 20
-    head = f"{'command':27}" + "".join(f"{format(r['gpus'], ',') + ' GPUs':>{width}}" for r in rows) \
+    head = f"{'command':34}" + "".join(f"{format(r['gpus'], ',') + ' GPUs':>{width}}" for r in rows) \
         + f"{'target':>10}  result"
-    lines = [head, f"{'':27}" + "".join(f"{'wall s (cpu s)':>{width}}" for _ in rows)]
+    lines = [head, f"{'':34}" + "".join(f"{'wall s (cpu s)':>{width}}" for _ in rows)]
     largest = rows[-1] if rows else None
-    for name in ["inventory apply", *(t[0] for t in TIMED)]:
+    for name in ["inventory apply", *(t[0] for t in TIMED)] if rows else []:
         target = target_of(name)
         cells = "".join(f"{format(r['times'][name], '.2f') + ' (' + format(r['cpu'][name], '.2f') + ')':>{width}}"
                         for r in rows)
         verdict = ""
         if largest is not None:
             verdict = "met" if largest["times"][name] < target else "MISSED"
-        lines.append(f"{name:27}{cells}{'< ' + format(target, 'g') + ' s':>10}  {verdict}")
-    for name, (wall, cpu) in report["startup"].items():
-        target = target_of(name)
-        pad = " " * (width * max(0, len(rows) - 1))
-        cell = f"{wall:.2f} ({cpu:.2f})"
-        lines.append(f"{'vgpuctl ' + name:27}{pad}{cell:>{width}}{'< ' + format(target, 'g') + ' s':>10}  "
-                     f"{'met' if wall < target else 'MISSED'}")
+        lines.append(f"{name:34}{cells}{'< ' + format(target, 'g') + ' s':>10}  {verdict}")
+    for tree, times in report["startup"].items():
+        for name, (wall, cpu) in times.items():
+            target = target_of(name)
+            pad = " " * (width * max(0, len(rows) - 1))
+            cell = f"{wall:.2f} ({cpu:.2f})"
+            label = "vgpuctl " + name + (" (baseline)" if tree == "baseline" else "")
+            lines.append(f"{label:34}{pad}{cell:>{width}}{'< ' + format(target, 'g') + ' s':>10}  "
+                         f"{'met' if wall < target else 'MISSED'}")
     for r in rows:
         lines.append(f"  {r['gpus']:,} GPUs: {r['hosts']:,} hosts, inventory {r['file_mib']:.1f} MiB, "
                      f"{r['added']:,} objects added, re-apply changes: {r['reapply_changes']}, {r['vms']} VMs "
                      f"provisioned, reconcile {'clean' if r['reconcile_clean'] else 'NOT clean'}, load average "
                      f"{r['load'][0]:.1f} -> {r['load'][1]:.1f}")
-    lines.append(f"  best of {report['runs']} runs per command (the first apply: one), start-up best of 5; "
-                 f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    lines.append(f"  best of {report['runs']} runs per command (the first apply: one), start-up the median of "
+                 f"{report['startup_runs']}" + (f" (baseline: {report['baseline']}, run for run)"
+                                                  if report.get("baseline") else "")
+                 + f"; {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
 
 
@@ -225,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes", default="10000,100000", help="GPU counts, comma-separated")
     ap.add_argument("--vms", type=int, default=200, help="VMs provisioned before the timed commands")
     ap.add_argument("--runs", type=int, default=3, help="runs of each command that changes nothing; the best counts")
+    ap.add_argument("--startup-runs", type=int, default=10, help="runs of each start-up command; the median counts")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another source tree whose start-up is timed beside this one's, run for run")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -232,7 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-admin-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        report: dict[str, Any] = {"startup": startup(), "sizes": [], "runs": args.runs}
+        report: dict[str, Any] = {"startup": startup(args.startup_runs, args.baseline), "sizes": [],
+                                  "runs": args.runs, "startup_runs": args.startup_runs,
+                                  "baseline": str(args.baseline) if args.baseline else None}
         for n in sizes:
             print(f"... {n:,} GPUs", file=sys.stderr, flush=True)
             report["sizes"].append(bench_size(n, args.vms, root, args.runs))
@@ -241,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(report, indent=2) if args.json else render(report))
     largest = report["sizes"][-1] if report["sizes"] else {"times": {}}
-    walls = [*largest["times"].items(), *((n, wall) for n, (wall, _) in report["startup"].items())]
+    walls = [*largest["times"].items(), *((n, wall) for n, (wall, _) in report["startup"]["this"].items())]
     missed = [n for n, t in walls if t >= target_of(n)]
     return 1 if missed else 0
 

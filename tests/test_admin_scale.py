@@ -206,7 +206,8 @@ def test_first_apply_adds_every_gpu_in_file_order(tmp_path: Path, monkeypatch: p
 
 def test_cli_and_package_import_nothing_heavy() -> None:
     code = ("import sys, vgpu_ctl.cli.main; heavy = [m for m in ('vgpu_ctl.service.controller', 'sqlalchemy', "
-            "'sqlmodel', 'alembic', 'libvirt', 'jinja2') if m in sys.modules]; print(heavy); "
+            "'sqlmodel', 'alembic', 'libvirt', 'jinja2', 'rich', 'yaml', 'pydantic') if m in sys.modules]; "
+            "print(heavy); "
             "from vgpu_ctl import Controller, __version__; print(Controller.__name__, bool(__version__))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "Controller True"]

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-from pydantic import ValidationError
-
-from vgpu_ctl.catalog.schema import GpuModelSpec
 from vgpu_ctl.errors import CatalogError, did_you_mean
+
+if TYPE_CHECKING:  # imported where a file is read: listing a cached catalog needs neither (vgpu_ctl/cli)
+    from vgpu_ctl.catalog.schema import GpuModelSpec
 
 DATA_DIR = Path(__file__).parent / "data"
 CATALOG_PATH_ENV = "VGPU_CTL_CATALOG_PATH"
@@ -78,6 +77,11 @@ def _line_of(loc: Sequence[int | str], data: Any) -> str:
 
 def parse_model_file(path: Path) -> GpuModelSpec:
     """Read and validate one catalog file; a broken one raises CatalogError naming file, entry and field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from vgpu_ctl.catalog.schema import GpuModelSpec
+
     raw = path.read_text()
     try:
         data = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -26,6 +25,7 @@ from vgpu_ctl.cli.common import (
     remote,
     run,
 )
+from vgpu_ctl.cli.table import PlainTable
 from vgpu_ctl.errors import InvalidInput
 
 profiles_app = typer.Typer(help="The profile catalog.", no_args_is_help=True)
@@ -41,19 +41,19 @@ quota_app = typer.Typer(help="Tenant limits.", no_args_is_help=True)
 def profiles_list(model: str = typer.Option(None, help="Only this GPU model (e.g. H100-80GB; any case)."),
                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     """List the profiles each GPU model offers."""
-    from vgpu_ctl.catalog import load_catalog
+    from vgpu_ctl.cli.catalog_cache import listed_profiles
     fmt = out_format(as_json, output)
     if remote():  # the server's catalog, which its admin may have extended
         profiles = run(fmt, lambda c: c.profiles(model))
     else:
         with handled(fmt):
-            profiles = load_catalog().profiles(model)
+            profiles = listed_profiles(model)
     if machine(fmt):
         emit(fmt, [p.to_dict() for p in profiles])
         return
     wide = fmt is Output.wide
-    table = Table("model", "profile", "kind", "memory", "max", "slices c/m",
-                  *(["placements"] if wide else []), "confirmed")
+    table = PlainTable("model", "profile", "kind", "memory", "max", "slices c/m",
+                       *(["placements"] if wide else []), "confirmed")
     for p in profiles:
         slices = f"{p.compute_slices}/{p.memory_slices}" if p.compute_slices else ""
         places = p.mixed_placement_ids or p.placements or ()
@@ -202,7 +202,7 @@ def pool_list(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     if machine(fmt):
         emit(fmt, pools)
         return
-    table = Table("pool", "policy", "GPUs", "profiles")
+    table = PlainTable("pool", "policy", "GPUs", "profiles")
     for p in pools:
         table.add_row(p["name"], p["policy"], str(p["gpus"]), ", ".join(p["profiles"]))
     print_table(table, fmt)
@@ -229,7 +229,7 @@ def tenant_list(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     if machine(fmt):
         emit(fmt, rows)
         return
-    table = Table("tenant", "VMs", "vGPUs", "framebuffer MiB", "token")
+    table = PlainTable("tenant", "VMs", "vGPUs", "framebuffer MiB", "token")
     for t in rows:
         table.add_row(t["name"], str(t["vms"]), str(t["vgpus"]), str(t["framebuffer_mib"]),
                       "yes" if t["has_token"] else "")
@@ -267,7 +267,7 @@ def tenant_usage(name: str = TENANT_ARG, as_json: bool = JSON_OPT, output: Outpu
     if machine(fmt):
         emit(fmt, {"tenant": name, "usage": rows})
         return
-    table = Table("scope", "resource", "used", "guarantee", "limit", "borrowed")
+    table = PlainTable("scope", "resource", "used", "guarantee", "limit", "borrowed")
     for r in rows:
         g, b = r.get("guarantee"), r.get("borrowed")
         table.add_row("all pools" if r["scope"] == "*" else r["scope"], r["resource"], str(r["used"]),

@@ -10,23 +10,40 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from enum import StrEnum
-from typing import Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
 
 import typer
-import yaml
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from typer._click.exceptions import ClickException
 from typer.core import TyperGroup
 
+from vgpu_ctl.cli.table import PlainTable, output_mode, output_width
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
 
 TOKEN_ENV = "VGPU_CTL_TOKEN"  # as vgpu_ctl.service.controller.TOKEN_ENV (not imported: the remote CLI needs no store)
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class _LazyConsole:
+    """A rich Console made on first use, so that a command which prints nothing through rich (--help, a plain
+    table, JSON) does not import it."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+            self._console = Console(**self._options)
+        return getattr(self._console, name)
+
+
+console = cast("Console", _LazyConsole(highlight=False, soft_wrap=True))
+err_console = cast("Console", _LazyConsole(stderr=True, highlight=False, soft_wrap=True))
 WIDE = 1000  # the console width of `-o wide`: a table as wide as its cells, nothing cut
 
 
@@ -78,15 +95,26 @@ def print_json(data: Any) -> None:
 def emit(fmt: Output | bool, data: Any) -> None:
     """Print `data` as YAML with -o yaml, else as JSON."""
     if fmt is Output.yaml:
+        import yaml
         sys.stdout.write(yaml.safe_dump(_plain(data), sort_keys=False, allow_unicode=True))
     else:
         print_json(data)
 
 
-def print_table(table: Table, fmt: Output | bool = Output.table) -> None:
+def print_table(table: Table | PlainTable, fmt: Output | bool = Output.table) -> None:
     """Print a table as wide as the terminal ($COLUMNS, else 80 when not a terminal); with -o wide as wide as
-    its cells."""
-    if fmt is Output.wide:
+    its cells. A PlainTable is written without rich when its lines would be rich's own (it fits, its cells are
+    plain)."""
+    wide = fmt is Output.wide
+    if isinstance(table, PlainTable):
+        mode = output_mode()
+        lines = None if mode is None else table.render(WIDE if wide else output_width(), ansi=mode == "ansi")
+        if lines is not None:
+            sys.stdout.write(lines)
+            return
+        table = table.to_rich()
+    if wide:
+        from rich.console import Console
         Console(highlight=False, width=WIDE, file=sys.stdout).print(table)
     else:
         console.print(table)
@@ -155,6 +183,7 @@ def fail(exc: VgpuCtlError, fmt: Output | bool) -> NoReturn:
     if machine(fmt):
         emit(fmt, {"error": exc.to_dict()})
     else:
+        from rich.markup import escape
         err_console.print(f"[bold red]error[/] ({exc.code}): {escape(exc.message)}", markup=True)
         for line in _reason_lines(exc):
             err_console.print(line, markup=False)
@@ -211,6 +240,7 @@ def parse_mib(field: str, text: str) -> int:
 
 def progress(disable: bool = False) -> Progress:
     """A progress bar on the CLI's console; silent when disabled or when stdout is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=True, disable=disable or not console.is_terminal)
 

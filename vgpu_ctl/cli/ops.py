@@ -7,14 +7,9 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich import box
-from rich.console import Group
-from rich.live import Live
-from rich.table import Column, Table
-from rich.text import Text
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -34,6 +29,10 @@ from vgpu_ctl.cli.common import (
     run,
 )
 from vgpu_ctl.errors import InvalidInput, VgpuCtlError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
 
 metrics_app = typer.Typer(help="Prometheus metrics of the fleet (admin).", no_args_is_help=True)
 db_app = typer.Typer(help="The state store: backup and restore (admin).", no_args_is_help=True)
@@ -62,6 +61,7 @@ def _gib(mib: int) -> str:
 
 def _bar(text: str) -> Text:
     """The occupancy text with free cells dimmed and taken cells coloured (no markup parsing)."""
+    from rich.text import Text
     out = Text()
     for ch in text:
         taken = text.startswith("[") and ch not in "[]"
@@ -77,6 +77,8 @@ def _pause(seconds: float) -> None:
 def _summary_table(summary: dict[str, Any], hint: bool) -> Table:
     """The fleet at a glance: GPUs per mode, how many hold devices, devices, free units; hosts by state (and,
     with `hint`, how to see the GPUs one by one)."""
+    from rich import box
+    from rich.table import Column, Table
     states = ", ".join(f"{n:,} {state}" for state, n in summary["hosts_by_state"].items())
     caption = f"{summary['hosts']:,} hosts ({states or 'none'})" + ("; per-GPU rows: --gpus" if hint else "")
     table = Table(Column("GPUs by mode", no_wrap=True), Column("GPUs", justify="right"),
@@ -92,6 +94,8 @@ def _summary_table(summary: dict[str, Any], hint: bool) -> Table:
 
 
 def _gpu_table(out: dict[str, Any], fmt: Output) -> Table:
+    from rich import box
+    from rich.table import Column, Table
     wide = fmt is Output.wide
     page = out["page"]
     first, shown = page["offset"] + 1, len(out["gpus"])
@@ -116,6 +120,8 @@ def _gpu_table(out: dict[str, Any], fmt: Output) -> Table:
 
 
 def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
+    from rich import box
+    from rich.table import Table
     tables = []
     if out.get("summary"):
         tables.append(_summary_table(out["summary"], hint="gpus" not in out))
@@ -136,6 +142,8 @@ def _status_tables(out: dict[str, Any], fmt: Output) -> list[Table]:
 
 def _idle_table(idle: dict[str, Any]) -> Table:
     """Allocated vGPUs below the idle threshold (status --idle), and the hosts that could not be sampled."""
+    from rich import box
+    from rich.table import Table
     missed = [f"{h}: {why}" for h, why in idle["hosts"].items() if why is not None and not why.startswith("simulated")]
     caption = (f"below {idle['threshold']:.0%} utilization; idle after {idle['idle_for_s']:g}s"
                + ("; not sampled: " + "; ".join(missed) if missed else ""))
@@ -207,6 +215,9 @@ def status(pool: str = typer.Option(None, help="Only this pool."),
                     for table in _status_tables(out, fmt):
                         print_table(table, fmt)
                 _pause(watch)
+        from rich.console import Group
+        from rich.live import Live
+        from rich.text import Text
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 with handled(fmt):
@@ -246,6 +257,8 @@ def _event_row(e: dict[str, Any], fmt: Output) -> list[str]:
 
 
 def _event_table(rows: list[dict[str, Any]], fmt: Output) -> Table:
+    from rich import box
+    from rich.table import Column, Table
     table = Table(Column("time (UTC)", no_wrap=True), Column("actor", overflow="fold"),
                   Column("tenant", overflow="fold"), Column("action", no_wrap=True),
                   Column("target", overflow="fold"), Column("result", overflow="fold"),

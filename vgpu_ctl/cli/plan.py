@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -118,6 +117,7 @@ def plan_cmd(demand: Path = DEMAND_OPT, fleet: Path = FLEET_OPT, from_store: boo
 
 
 def _print_plan(data: dict[str, Any], fmt: Output) -> None:
+    from rich.table import Table
     s = data["summary"]
     console.print(f"fleet: {data['fleet']['source']} ({data['fleet']['hosts']} hosts, {data['fleet']['gpus']} GPUs); "
                   f"demand: {data['demand']['source']} ({data['demand']['vms']} VMs); policy {data['policy']}")
@@ -170,6 +170,7 @@ def carving_cmd(demand: Path = DEMAND_OPT, pool: str = typer.Option(None, "--poo
     if machine(fmt):
         emit(fmt, data)
         return
+    from rich.table import Table
     today, adv, gain = data["today"], data["advised"], data["gain"]
     console.print(f"today's carving places {today['placed_vms']} VMs ({today['placed_pct']}%); advised "
                   f"({data['winner']}): {adv['placed_vms']} ({adv['placed_pct']}%): gain {gain['vms']:+d} VMs, "

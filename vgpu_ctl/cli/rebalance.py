@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -34,6 +33,7 @@ ERRORS = {Conflict.code: Conflict.exit_code, HostError.code: HostError.exit_code
 
 
 def _table(data: dict[str, Any], fmt: Output) -> None:
+    from rich.table import Table
     s = data["summary"]
     console.print(f"fleet: {data['fleet']}; goal {data['goal']}" + (f", pool {data['pool']}" if data["pool"] else ""))
     console.print(f"{_n(s['moves'], 'move')} of {_n(s['vms_moved'], 'VM')} free {_n(s['gpus_freed'], 'GPU')} and "

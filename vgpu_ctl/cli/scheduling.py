@@ -7,9 +7,9 @@ import re
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import JSON_OPT, OUTPUT_OPT, Output, console, emit, machine, out_format, print_table, run
+from vgpu_ctl.cli.table import PlainTable
 from vgpu_ctl.errors import InvalidInput
 
 priority_app = typer.Typer(help="Priority classes of VM requests.", no_args_is_help=True)
@@ -65,7 +65,7 @@ def priority_list(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None
     if machine(fmt):
         emit(fmt, rows)
         return
-    table = Table("name", "value", "preemptible", "policy", "mode", "default", "VMs")
+    table = PlainTable("name", "value", "preemptible", "policy", "mode", "default", "VMs")
     for r in rows:
         table.add_row(r["name"], str(r["value"]), "yes" if r["preemptible"] else "no", r["preemption_policy"],
                       r["preemption_mode"], "yes" if r["default"] else "", str(r["vms"]))
@@ -163,7 +163,7 @@ def share(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     if machine(fmt):
         emit(fmt, rows)
         return
-    table = Table("account/tenant", "shares", "norm shares", "fb GiB·h", "slice·h", "usage", "norm usage",
+    table = PlainTable("account/tenant", "shares", "norm shares", "fb GiB·h", "slice·h", "usage", "norm usage",
                   "level FS", "rank", "fairshare")
     for r in rows:
         indent = "  " * r["depth"] + (r["name"] + "/" if r["kind"] == "account" else r["name"])
@@ -199,7 +199,7 @@ def queue(tenant: str = typer.Option(None, help="Only this tenant's requests (po
         return
     for vm_id in out["admitted"]:
         console.print(f"admitted VM {vm_id}")
-    table = Table("#", "operation", "tenant", "name", "priority", "fairshare", "since", "requeued", "why")
+    table = PlainTable("#", "operation", "tenant", "name", "priority", "fairshare", "since", "requeued", "why")
     for r in out["queue"]:
         table.add_row(str(r["position"]), r["operation"][:8], r["tenant"] or "-", r["name"],
                       f"{r['priority_class'] or '-'} ({r['priority']})", f"{r['fairshare']:.3f}", r["since"][:19],

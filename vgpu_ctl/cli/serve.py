@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -22,6 +21,7 @@ from vgpu_ctl.cli.common import (
     print_table,
     run,
 )
+from vgpu_ctl.cli.table import PlainTable
 
 token_app = typer.Typer(help="API tokens with a role (admin, reader) for the REST API.", no_args_is_help=True)
 
@@ -89,7 +89,7 @@ def token_list(as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
     if machine(fmt):
         emit(fmt, rows)
         return
-    table = Table("name", "role", "created")
+    table = PlainTable("name", "role", "created")
     for r in rows:
         table.add_row(r["name"], r["role"], r["created_at"])
     print_table(table, fmt)

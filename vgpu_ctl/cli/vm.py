@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from vgpu_ctl.cli.common import (
     JSON_OPT,
@@ -22,6 +21,7 @@ from vgpu_ctl.cli.common import (
     short_id,
 )
 from vgpu_ctl.cli.scheduling import parse_duration
+from vgpu_ctl.cli.table import PlainTable
 from vgpu_ctl.errors import InvalidInput
 
 vm_app = typer.Typer(help="Virtual machines, with vGPUs or without.", no_args_is_help=True)
@@ -132,7 +132,7 @@ def vm_list(tenant: str = typer.Option(None, help="Only this tenant's VMs."),
     columns = ["id", "tenant", "name", "state", "host", "pool", "vGPUs"]
     if fmt is Output.wide:
         columns += ["vCPUs", "memory MiB", "devices"]
-    table = Table(*columns)
+    table = PlainTable(*columns)
     for v in vms:
         row = [short_id(v.id, fmt), v.tenant, v.name, v.state, v.host or "-", v.pool or "-",
                ", ".join(d.profile for d in v.devices)]
