@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,8 @@ def _read(path: Path, digest: str) -> dict[str, list[ProfileInfo]] | None:
 
 def _write(folder: Path, digest: str, by_model: dict[str, list[ProfileInfo]]) -> None:
     """Replace the cache file at once (a temporary file renamed), so a reader never sees half of one."""
+    import tempfile  # only when the cache is written
+
     with suppress(OSError):
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".catalog-", suffix=".tmp")  # 0600
