@@ -396,7 +396,7 @@ class Allocator:
         """Write a batch in one transaction (claim by claim if it must); answer each caller once it is durable."""
         t0 = time.perf_counter()
         try:
-            if not (len(batch) > 1 and self._write_batch(batch)):
+            if not self._write_batch(batch):
                 with self.ctx.db.write() as tx:
                     for item in batch:
                         self._write_one(tx, item)
