@@ -2,10 +2,12 @@
 claims, releases and mask refreshes; migration 0009 fills them on an old store and downgrades; doctor reports a
 wrong one and `init` rebuilds it; multi-GPU requests and pack read whole hosts from them (a host split over two
 modes of one model is still found); planning over one host per distinct state chooses what planning over all
-does."""
+does. Each summary knows its host's width (`gpus`, migration 0015), and pack's pages read the widest hosts first,
+so the store places as the pure policy does where the narrow hosts come first in host order."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from test_geometry import geom
 
 from vgpu_ctl import Controller, NoCapacity
 from vgpu_ctl.core.geometry import Occupancy, encode_layout, profile_bit
-from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, get_policy, plan
+from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, TaskShape, get_policy, plan
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.fit_masks import summary_drift
@@ -76,6 +78,74 @@ def test_summaries_follow_claims_releases_and_inventory(acme: Controller, tmp_pa
     check_store_invariants(ctl.engine)
 
 
+def width_drift(ctl: Controller) -> list[Any]:
+    """The summaries whose width (`gpus`) is not their host's GPUs in the pool with their model and mode."""
+    with ctl.engine.connect() as conn:
+        return list(conn.execute(text(
+            "SELECT f.host_id, f.pool_id, f.model, f.mode, f.bitval, f.gpus, (SELECT count(*) FROM gpu g WHERE "
+            "g.host_id = f.host_id AND g.pool_id = f.pool_id AND g.model = f.model AND g.mode = f.mode) AS want "
+            "FROM host_fit f")).all())
+
+
+def wrong_widths(ctl: Controller) -> list[Any]:
+    return [r for r in width_drift(ctl) if r.gpus != r.want]
+
+
+def test_widths_follow_inventory_claims_and_rebuilds(acme: Controller, tmp_path: Path) -> None:
+    ctl = acme
+    assert width_drift(ctl) and wrong_widths(ctl) == []
+    assert {r.gpus for r in width_drift(ctl)} >= {1, 2}
+    vms = [req(ctl, "a", "A100D-10C", 1, "inference"), req(ctl, "b", "3g.40gb", 1, "inference"),
+           req(ctl, "d", "A100D-20C", 2, "training")]  # claims may add summary rows for new profile bits
+    assert wrong_widths(ctl) == []
+    for vm in vms:
+        ctl.release_vm(vm.id)
+    inv = DEMO.read_text()
+    moved = inv.replace("mode: vgpu-mixed, pool: workstations}", "mode: vgpu-mixed, pool: training}", 1)
+    ctl.apply_inventory(write_inventory(tmp_path, moved))  # a GPU to another pool: both groups recounted
+    assert wrong_widths(ctl) == []
+    with ctl.engine.begin() as conn:
+        conn.execute(text("UPDATE host_fit SET gpus = 0, n_fit = n_fit + 1"))
+    ctl.init(refresh_fit_masks=True)  # the rebuild of wrong summaries inserts every row again: each counts its width
+    assert wrong_widths(ctl) == [] and drift(ctl) == []
+
+
+NARROW_FIRST = ("pools:\n  - name: wide\n    policy: pack\n    demand:\n      - {profile: L40S-48C, weight: 1.0}\n"
+                "      - {profile: L40S-48C, gpus: 2, weight: 1.0}\nhosts:\n") + "".join(
+    f"""  - name: kvm-{i:02d}
+    uri: simulated:///kvm-{i:02d}
+    driver: simulated
+    vcpus: 64
+    memory_mib: 262144
+    gpus:
+""" + "".join(f'      - {{pci: "0000:{0x10 + j:02x}:00.0", model: L40S, mode: vgpu-equal, pool: wide}}\n'
+              for j in range(8 if i == 9 else 2)) for i in range(10))
+
+
+def test_pack_in_the_store_takes_the_wide_host_the_pure_policy_takes(state_dir: Path, store_url: str,
+                                                                    tmp_path: Path) -> None:
+    """Nine 2-GPU hosts come before an 8-GPU host in host order, more than a page of them: pack keeps the pairs
+    for the typical 2-GPU task and takes a whole GPU on the wide host, and the store, whose pack pages read the
+    widest hosts first, places there as pure planning over every host does (fullest-first pages of 8 hosts held
+    only 2-GPU hosts)."""
+    c = Controller(store_url)
+    try:
+        c.apply_inventory(write_inventory(tmp_path, NARROW_FIRST))
+        c.create_tenant("acme")
+        assert wrong_widths(c) == []
+        with c.engine.connect() as conn:
+            pool = conn.execute(select(POOL).where(POOL.c.name == "wide")).one()
+            everything = alloc.all_candidates(conn, c.catalog, [pool.id], ["L40S-48C"], None, {pool.id: "wide"})
+        policy = get_policy("pack", {TaskShape(("L40S-48C",)): 1.0, TaskShape(("L40S-48C",), 2): 1.0})
+        want = plan(PlacementRequest(("L40S-48C",), 2, 2048),
+                    [replace(h, gpu_count=len(h.gpus)) for h in everything.hosts], policy)
+        assert want is not None and want.host == "kvm-09"
+        assert req(c, "whole", "L40S-48C", 1, "wide").host == "kvm-09"
+        check_store_invariants(c.engine)
+    finally:
+        c.close()
+
+
 def test_summary_counts_gpus_and_free_units(acme: Controller) -> None:
     ctl = acme
     with ctl.engine.connect() as conn:
@@ -119,6 +189,7 @@ def test_migration_0009_fills_summaries_and_downgrades(store_url: str, state_dir
         command.upgrade(migrate.alembic_config(engine), "head")
         with engine.connect() as conn:
             assert summary_drift(conn) == []
+            assert conn.execute(text("SELECT count(*) FROM host_fit WHERE gpus = 0")).scalar_one() == 0
             n = conn.execute(text("SELECT count(*) FROM host_fit")).scalar_one()
     finally:
         engine.dispose()

@@ -16,7 +16,21 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import BigInteger, Integer, and_, bindparam, exists, func, literal, null, or_, select, update
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    Integer,
+    and_,
+    bindparam,
+    cast,
+    exists,
+    func,
+    literal,
+    null,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Connection
 
 from vgpu_ctl.catalog import Catalog, ProfileKind
@@ -45,9 +59,9 @@ from vgpu_ctl.store.tables import VM as _VM
 
 PAGE = 16  # GPUs per single-GPU candidate page
 # Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
-# gap to the pure policy moves by about 0.1 point with the page's make-up, not steadily with its size (default
-# vgpu-equal/mig: 4 hosts -0.07/-0.32, 6 hosts -0.17/-0.23, 8 hosts -0.15/-0.13); 8 kept the most pairs within
-# 0.2 points. A single-GPU pack request plans over these hosts: 4 hosts cost about half the planning of 8.
+# gap to the pure policy moves by about 0.1 point with the page's make-up, not steadily with its size; with pack's
+# pages widest first (`_widest_order`), 4 hosts gave gpuspec33n/mig -0.07 but default/mig -0.28, 8 hosts -0.04 and
+# -0.06. A single-GPU pack request plans over these hosts: 4 hosts cost about half the planning of 8.
 HOST_PAGE = 8
 
 
@@ -226,13 +240,31 @@ def _host_order(order: CandidateOrder, free: Any, host_id: Any) -> list[Any]:
     return [free, host_id]
 
 
-def _host_key(order: CandidateOrder) -> Callable[[int, int], tuple[int, ...]]:
-    """`_host_order` in Python, on (free units, host id)."""
+def _host_key(order: CandidateOrder, widest: bool = False) -> Callable[[int, float, int], tuple[float, ...]]:
+    """`_host_order` (`widest`: `_widest_order`) in Python, on (width, free units, host id)."""
+    if widest:
+        return lambda width, free, hid: (-width, free, hid)
     if order is CandidateOrder.EMPTIEST_FIRST:
-        return lambda free, hid: (-free, hid)
+        return lambda width, free, hid: (-free, hid)
     if order is CandidateOrder.HOST_ORDER:
-        return lambda free, hid: (hid,)
-    return lambda free, hid: (free, hid)
+        return lambda width, free, hid: (hid,)
+    return lambda width, free, hid: (free, hid)
+
+
+def _mean_free(hf: Any) -> Any:
+    """SQL: the mean free units of a summary's GPUs that can take its profile (its rows have `n_fit > 0`)."""
+    return cast(hf.c.free_units, Float).op("/")(hf.c.n_fit)  # as the index has it: SQL would cast n_fit
+
+
+def _widest_order(hf: Any) -> list[Any]:
+    """The order of whole-host pages for a policy with a host cost (pack), on host summaries: the widest hosts
+    first (most GPUs in the pool), then the fullest by the mean free units of their GPUs that can take the profile,
+    then host order (the `host_fit_by_width` index). pack prices the room a placement takes by the typical tasks a
+    host could ever run, more on a wider host (it also runs the tasks that ask for more GPUs), and strands least on
+    a full GPU, so its choice is near the front of this order; fullest first by the free units of the host's GPUs
+    together, it was often pages behind (on the openb gpuspec33n/mig replay, seed 42: 8-GPU V100 hosts behind every
+    2-GPU one)."""
+    return [hf.c.gpus.desc(), _mean_free(hf), hf.c.host_id]
 
 
 @dataclass
@@ -321,47 +353,52 @@ def _hosts_query(catalog: Catalog, profiles: frozenset[str], order: CandidateOrd
 
 
 @lru_cache(maxsize=16)
-def _summary_query(order: CandidateOrder, labels: bool) -> Prepared:
+def _summary_query(order: CandidateOrder, labels: bool, widest: bool) -> Prepared:
     """Whole hosts by their summaries: every GPU of the pool on the first page_limit hosts (from page_offset)
     that have at least `ndev` GPUs of one placeable that can take its profile now, in the policy's candidate
-    order of those GPUs' free units, with that order's key (`host_key`). It reads one `host_fit` row per
-    candidate host (a range of a partial index) and the page's GPUs, never the rest of the pool. Bound at
-    execution: pool_id, the placeable, ndev, req_vcpus, req_memory_mib, page_limit, page_offset."""
+    order of those GPUs' free units (`widest`: the widest hosts first, see `_widest_order`), with the order's
+    key (`host_width`, `host_key`). It reads one `host_fit` row per candidate host (a range of a partial index)
+    and the page's GPUs, never the rest of the pool. Bound at execution: pool_id, the placeable, ndev,
+    req_vcpus, req_memory_mib, page_limit, page_offset."""
     hf = HOST_FIT
-    page = (select(hf.c.host_id, hf.c.free_units).join(HOST, HOST.c.id == hf.c.host_id)
+    free = _mean_free(hf) if widest else hf.c.free_units
+    ranked = _widest_order(hf) if widest else _host_order(order, free, hf.c.host_id)
+    page = (select(hf.c.host_id, hf.c.gpus, free.label("free")).join(HOST, HOST.c.id == hf.c.host_id)
             .where(hf.c.pool_id == bindparam("pool_id", type_=Integer), hf.c.model == bindparam("c_model"),
                    hf.c.mode == bindparam("c_mode"), hf.c.bitval == bindparam("c_bit", type_=BigInteger),
                    hf.c.n_fit > 0, hf.c.n_fit >= bindparam("ndev", type_=Integer), _HOST_FILTER)
-            .order_by(*_host_order(order, hf.c.free_units, hf.c.host_id))
+            .order_by(*ranked)
             .limit(bindparam("page_limit", type_=Integer)).offset(bindparam("page_offset", type_=Integer))
             .subquery("page"))
     cols = _CANDIDATE_COLS if labels else _NO_LABELS
-    return Prepared(select(*cols, page.c.free_units.label("host_key"))
+    return Prepared(select(*cols, page.c.gpus.label("host_width"), page.c.free.label("host_key"))
                     .select_from(page.join(GPU, and_(GPU.c.host_id == page.c.host_id, _IN_POOL))
                                  .join(HOST, HOST.c.id == GPU.c.host_id)))
 
 
 def _host_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
-                pool_names: Mapping[int, str], targets: Sequence[Placeable]) -> Iterator[Candidates]:
+                pool_names: Mapping[int, str], targets: Sequence[Placeable], widest: bool) -> Iterator[Candidates]:
     """Pages of whole candidate hosts for a request whose vGPUs all have one profile, from the hosts'
     summaries: hosts with as many GPUs of one placeable as the request has vGPUs, best first by the policy's
-    order (merged over the placeables as the single-GPU pages are)."""
+    order (`widest`: for a policy with a host cost, `_widest_order`), merged over the placeables as the
+    single-GPU pages are."""
     labels = bool(req.labels)
     params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib,
                               "ndev": len(req.profiles)}
-    key = _host_key(order)
+    key = _host_key(order, widest)
     offset = 0
     while True:
         by_host: dict[int, list[CandidateRow]] = {}
-        keys: dict[int, tuple[int, ...]] = {}
+        keys: dict[int, tuple[float, ...]] = {}
         limits = {"page_limit": HOST_PAGE, "page_offset": offset} if len(targets) == 1 else \
             {"page_limit": offset + HOST_PAGE, "page_offset": 0}
         for c in targets:  # a host found through two placeables comes with the same GPUs twice: kept once
             found: dict[int, list[CandidateRow]] = {}
-            for t in _summary_query(order, labels).run(conn, {**params, **limits, **_match_params(c)}).fetchall():
-                row = CandidateRow._make(t[:-1])
+            for t in _summary_query(order, labels, widest).run(conn, {**params, **limits,
+                                                                      **_match_params(c)}).fetchall():
+                row = CandidateRow._make(t[:-2])
                 found.setdefault(row.host_id, []).append(row)
-                k = key(t[-1], row.host_id)
+                k = key(t[-2], t[-1], row.host_id)
                 keys[row.host_id] = min(keys.get(row.host_id, k), k)
             for hid, rows in found.items():
                 by_host.setdefault(hid, rows)
@@ -380,7 +417,8 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
                     whole_hosts: bool = False) -> Iterable[Candidates]:
     """Pages of candidate hosts in a pool, best first by the policy's candidate order; each page is a few
     GPUs or hosts. A request for several vGPUs of one profile, or any request with `whole_hosts` (a policy
-    that scores whole hosts), gets whole hosts from their summaries (`host_fit`)."""
+    that scores whole hosts), gets whole hosts from their summaries (`host_fit`); for such a policy, widest
+    first (`_widest_order`)."""
     ndev = len(req.profiles)
     if not ndev:
         yield from _bare_host_pages(conn, req, pool_id, order)
@@ -389,7 +427,7 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
     if not targets:
         return
     if len(set(req.profiles)) == 1 and (ndev > 1 or whole_hosts):
-        yield from _host_pages(conn, catalog, req, pool_id, order, pool_names, targets)
+        yield from _host_pages(conn, catalog, req, pool_id, order, pool_names, targets, whole_hosts)
         if ndev == 1 or len(targets) == 1:
             return
         # A host may hold the request only across placeables (some GPUs of the model in each of two modes),

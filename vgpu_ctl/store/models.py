@@ -509,9 +509,10 @@ class FitBit(SQLModel, table=True):
 
 class HostFit(SQLModel, table=True):
     """A host's summary per pool, GPU model, mode and fit-mask bit (a profile of that geometry): how many of its
-    GPUs can take the profile now and their free units together. Kept by triggers on `gpu` in the transaction of
-    every write of a GPU's state (migration 0009), so a request for k GPUs or a whole-host score reads one row per
-    candidate host (partial indexes on `n_fit > 0`, in the candidate orders)."""
+    GPUs can take the profile now and their free units together, and how many GPUs it has there at all (`gpus`, its
+    width; migration 0015). Kept by triggers on `gpu` in the transaction of every write of a GPU's state (migration
+    0009), so a request for k GPUs or a whole-host score reads one row per candidate host (partial indexes on
+    `n_fit > 0`, in the candidate orders)."""
 
     __tablename__ = "host_fit"
     __table_args__ = (
@@ -519,6 +520,9 @@ class HostFit(SQLModel, table=True):
         Index("host_fit_by_free", "pool_id", "model", "mode", "bitval", "free_units", "host_id",
               sqlite_where=text("n_fit > 0"), postgresql_where=text("n_fit > 0")),
         Index("host_fit_by_host", "pool_id", "model", "mode", "bitval", "host_id",
+              sqlite_where=text("n_fit > 0"), postgresql_where=text("n_fit > 0")),
+        Index("host_fit_by_width", "pool_id", "model", "mode", "bitval", text("gpus DESC"),
+              text("(CAST(free_units AS FLOAT) / n_fit)"), "host_id",
               sqlite_where=text("n_fit > 0"), postgresql_where=text("n_fit > 0")),
     )
 
@@ -529,3 +533,4 @@ class HostFit(SQLModel, table=True):
     bitval: int = Field(primary_key=True, sa_type=BigInteger)
     n_fit: int
     free_units: int = Field(sa_type=BigInteger)
+    gpus: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
