@@ -1,6 +1,7 @@
 """Provisioning on a simulated host costs one fsync per VM: only what a real host keeps across a reboot (a
-defined domain, a managed save image) is flushed to disk; devices and the running flag are written back with
-the same atomic rename, and other processes see them at once."""
+defined domain, a managed save image) is written to a new state file, flushed to disk; devices and the running
+flag are lines appended to the host's journal, which other processes see at once and which never rewrites the
+definitions."""
 
 from __future__ import annotations
 
@@ -72,3 +73,52 @@ def test_provisioned_vm_costs_one_fsync(state_dir: Path, sqlite_url: str, fsyncs
         assert len(fsyncs) == 2
     finally:
         c.close()
+
+
+def _define(host: SimulatedHost, name: str = "vm-1") -> None:
+    xml = TemplateRenderer().render_domain("domain.xml.j2", domain_context([mdev_hostdev("d1")], name=name,
+                                                                           uuid=VM_UUID))
+    host.define_domain(xml)
+
+
+def _mdev(uuid: str = MDEV_UUID) -> DeviceSpec:
+    return DeviceSpec(device_id="d1", gpu_pci="0000:41:00.0", backing=DeviceBacking.MDEV, profile="A100D-10C",
+                      start=0, size=10, uuid=uuid, mdev_type="nvidia-558")
+
+
+def test_undurable_steps_append_to_the_journal_and_leave_the_definitions_alone(tmp_path: Path) -> None:
+    host = SimulatedHost("sim-1", tmp_path)
+    host.create_device(_mdev())
+    _define(host)
+    state_file = (tmp_path / "sim-1.json").read_bytes()
+    host.start_domain("vm-1")
+    host.stop_domain("vm-1")
+    host.start_domain("vm-1")
+    assert (tmp_path / "sim-1.json").read_bytes() == state_file  # the definitions are not rewritten
+    assert [(d.name, d.active) for d in SimulatedHost("sim-1", tmp_path).list_domains()] == [("vm-1", True)]
+    host.undefine_domain("vm-1")  # durable: the journal is folded into the state file
+    assert (tmp_path / "sim-1.journal").read_bytes() == b""
+
+
+def test_a_torn_journal_line_loses_only_its_own_change(tmp_path: Path) -> None:
+    host = SimulatedHost("sim-1", tmp_path)
+    _define(host)
+    with open(tmp_path / "sim-1.journal", "ab") as f:  # a writer that died in the middle of its line
+        f.write(b'{"device": "0b5b8c1e-2d3f-4e5a')
+    host.create_device(_mdev())  # lands after the torn line, on a line of its own
+    fresh = SimulatedHost("sim-1", tmp_path)
+    assert [d.uuid for d in fresh.list_devices()] == [MDEV_UUID]
+    assert [d.name for d in fresh.list_domains()] == ["vm-1"]
+
+
+def test_journal_lines_of_an_older_state_file_are_ignored(tmp_path: Path) -> None:
+    host = SimulatedHost("sim-1", tmp_path)
+    host.create_device(_mdev())
+    _define(host)
+    host.start_domain("vm-1")
+    old = (tmp_path / "sim-1.journal").read_bytes()
+    host.managed_save("vm-1")  # a new state file: saved, not running
+    with open(tmp_path / "sim-1.journal", "ab") as f:  # as if the journal had not been emptied before a crash
+        f.write(old)
+    (dom,) = SimulatedHost("sim-1", tmp_path).list_domains()
+    assert (dom.active, dom.saved) == (False, True)

@@ -1,4 +1,5 @@
-"""A simulated host: devices and domains in a JSON file; domain XML still goes through libvirt's parser.
+"""A simulated host: devices and domains in a JSON file and its journal; domain XML still goes through libvirt's
+parser.
 
 For tests only, `VGPU_CTL_SIM_HOLD=STEP=PATH[,STEP=PATH...]` holds a step (create_device, define_domain,
 start_domain, stop_domain, managed_save, remove_device, undefine_domain) before it acts, for as long as the file
@@ -14,9 +15,11 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -62,8 +65,33 @@ def _parser_connection() -> Any:
     return conn
 
 
+class _Step:
+    """One step's hold on a host's state (under its lock): the state, and how the step writes what it changed."""
+
+    def __init__(self, host: SimulatedHost, lock: int, read: _Cached) -> None:
+        self.host, self.lock, self.read, self.state = host, lock, read, read.state
+
+    def log(self, *entries: dict[str, Any]) -> None:
+        """Record undurable changes (devices, the running flag), already made to `state`, in the journal."""
+        self.host._append(self.read, entries)
+
+    def save(self) -> None:
+        """Write the whole state, flushed to disk, as the new state file (a durable change)."""
+        self.host._save(self.lock, self.read)
+
+
 class SimulatedHost:
-    """HostDriver whose GPUs exist only in the inventory; state is kept in `state_dir/<name>.json`."""
+    """HostDriver whose GPUs exist only in the inventory; state is kept in `state_dir/<name>.json`.
+
+    Only what a real host keeps across a reboot is durable: a defined domain and its managed save image. A
+    change to those writes the whole state to a new file, flushed to disk, renamed over `<name>.json` (one fsync
+    per VM provisioned: its domain's definition). Devices and whether a domain runs are not durable (a reboot
+    loses them on a real host too, and reconcile restores them): such a change is a line appended to the journal
+    `<name>.journal`, which a reader applies over the state file of the same generation, and which the next
+    durable write folds into the state file. So the state file's definitions are never rewritten by an undurable
+    step, a torn or lost journal line loses only undurable changes, and a step costs an append, not a rewrite.
+    Each state file write leaves a new random token in the lock file (before the rename); an instance parses the
+    state file again only when the token changed, and otherwise reads only the journal lines appended since."""
 
     simulated = True
 
@@ -74,58 +102,88 @@ class SimulatedHost:
         self.name = name
         self.state_dir = state_dir
         self.path = state_dir / f"{name}.json"
-        self._cached: tuple[bytes, State] | None = None
+        self.journal = state_dir / f"{name}.journal"
+        self._cached: _Cached | None = None
+        self._mutex = threading.Lock()  # this instance's threads, one at a time (the file lock is per process)
         state_dir.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
-    def _state(self, write: bool, durable: bool = False) -> Iterator[State]:
-        """The host's state under a file lock; written back atomically (a rename) when `write` is set, and
-        flushed to disk first when `durable` is. Only what a real host keeps across a reboot is durable: a
-        defined domain and its managed save image. Devices and whether a domain runs are not (a reboot loses
-        them on a real host too, and reconcile restores them), so provisioning a VM costs one fsync, its
-        domain's definition. Each write also leaves a new random token in the lock file (before the rename,
-        so a crash between the two only makes others read the file again); the file is parsed again only
-        when the token is not the one this instance last read or wrote."""
-        lock = os.open(self.state_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
-            token = os.pread(lock, _TOKEN_BYTES, 0)
-            state = self._read(token)
-            if not write:
-                yield state
-                return
-            self._cached = None  # a step that fails half-way leaves its changes only in this dict
-            yield state
-            fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(state, sort_keys=True))
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-            token = secrets.token_bytes(_TOKEN_BYTES)
-            os.pwrite(lock, token, 0)
-            os.replace(tmp, self.path)
-            self._cached = (token, state)
-        finally:
-            os.close(lock)
+    def _state(self, write: bool) -> Iterator[_Step]:
+        """The host's state under its file lock (exclusive when `write`); a step writes through the `_Step`."""
+        with self._mutex:
+            lock = os.open(self.state_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+                step = _Step(self, lock, self._read(lock))
+                if write:  # kept again once written: a step that fails half-way leaves its changes in no cache
+                    self._cached = None
+                yield step
+            finally:
+                os.close(lock)
 
-    def _read(self, token: bytes) -> State:
-        """The state as the file holds it now (under the caller's lock, the lock file holding `token`)."""
-        if self._cached is not None and self._cached[0] == token and len(token) == _TOKEN_BYTES:
-            return self._cached[1]
-        state: State = {"devices": {}, "domains": {}}
-        if self.path.exists():
-            state = json.loads(self.path.read_text())
-        self._cached = (token, state)
-        return state
+    def _read(self, lock: int) -> _Cached:
+        """The state as the files hold it now (under the caller's lock): the state file's, with the journal
+        lines of its generation applied; only the new journal lines when this instance holds the rest."""
+        token = os.pread(lock, _TOKEN_BYTES, 0)
+        c = self._cached
+        if c is None or c.token != token or len(token) != _TOKEN_BYTES:
+            doc: dict[str, Any] = {}
+            if self.path.exists():
+                doc = json.loads(self.path.read_text())
+            state: State = {"devices": doc.get("devices", {}), "domains": doc.get("domains", {})}
+            c = self._cached = _Cached(token, int(doc.get("generation", 0)), 0, state)
+        try:
+            with open(self.journal, "rb") as f:
+                f.seek(c.offset)
+                tail = f.read()
+        except FileNotFoundError:
+            tail = b""
+        end = tail.rfind(b"\n") + 1  # a line without its newline is being written, or was torn by a crash
+        for line in tail[:end].splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # torn by a crash: an undurable change lost, as a reboot would lose it
+            if entry.get("g") == c.generation:
+                _apply(c.state, entry)
+        c.offset += end
+        return c
+
+    def _append(self, c: _Cached, entries: Sequence[dict[str, Any]]) -> None:
+        """Append `entries` (of the state file's generation `c` read) to the journal, after a newline if a torn
+        line ends it."""
+        data = b"".join(json.dumps({"g": c.generation, **e}, sort_keys=True).encode() + b"\n" for e in entries)
+        with open(self.journal, "ab") as f:
+            if f.tell() > c.offset:  # a torn line (a writer died mid-append): end it before ours
+                data = b"\n" + data
+            f.write(data)
+            c.offset = f.tell()
+        self._cached = c
+
+    def _save(self, lock: int, c: _Cached) -> None:
+        """Write the whole state as the next generation's state file, flushed to disk, renamed over the old one;
+        the journal (folded in) is emptied after, and its lines, of the old generation, are ignored meanwhile."""
+        generation = c.generation + 1
+        fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=f".{self.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"generation": generation, **c.state}, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        os.pwrite(lock, token, 0)
+        os.replace(tmp, self.path)
+        with open(self.journal, "wb"):
+            pass
+        self._cached = _Cached(token, generation, 0, c.state)
 
     def create_device(self, spec: DeviceSpec) -> DeviceHandle:
         """Record the device (idempotent: an existing one with this uuid is returned)."""
         _hold("create_device")
-        with self._state(write=True) as state:
-            devices = state["devices"]
+        with self._state(write=True) as step:
+            devices = step.state["devices"]
             if spec.uuid not in devices:
                 devices[spec.uuid] = self._new_device(spec, devices.values())
+                step.log({"device": spec.uuid, "is": devices[spec.uuid]})
             d = devices[spec.uuid]
         return DeviceHandle(DeviceBacking(d["backing"]), uuid=d["uuid"], pci_address=d["pci_address"],
                             gpu_instance_id=d["gpu_instance_id"])
@@ -150,16 +208,17 @@ class SimulatedHost:
     def remove_device(self, spec: DeviceSpec) -> None:
         """Forget the device (idempotent: absent is fine)."""
         _hold("remove_device")
-        with self._state(write=True) as state:
-            state["devices"].pop(spec.uuid, None)
+        with self._state(write=True) as step:
+            if step.state["devices"].pop(spec.uuid, None) is not None:
+                step.log({"device": spec.uuid, "is": None})
 
     def list_devices(self) -> list[HostDevice]:
         """Every device recorded on this host."""
-        with self._state(write=False) as state:
+        with self._state(write=False) as step:
             return [HostDevice(DeviceBacking(d["backing"]), gpu_pci=d["gpu_pci"], uuid=d["uuid"],
                                pci_address=d["pci_address"], gpu_instance_id=d["gpu_instance_id"],
                                profile=d["profile"])
-                    for d in state["devices"].values()]
+                    for d in step.state["devices"].values()]
 
     def define_domain(self, xml: str) -> str:
         """Check the XML with libvirt's parser, then record (or redefine) the domain; returns its UUID."""
@@ -172,8 +231,8 @@ class SimulatedHost:
         except libvirt.libvirtError as exc:
             raise host_error(self.name, "defining domain", exc) from None
         given_uuid = parse_xml(xml).findtext("uuid")
-        with self._state(write=True, durable=True) as state:
-            domains = state["domains"]
+        with self._state(write=True) as step:
+            domains = step.state["domains"]
             old = domains.get(name)
             if old is not None and given_uuid is None:
                 uuid = old["uuid"]
@@ -185,58 +244,87 @@ class SimulatedHost:
                 raise HostError(f"host {self.name}: domain {clash} is already defined with uuid {uuid}",
                                 reasons=[{"host": self.name, "domain": name}])
             domains[name] = {"uuid": uuid, "xml": xml, "active": bool(old and old["active"])}
+            step.save()
         return uuid
 
     def start_domain(self, name: str) -> None:
         """Mark the domain running (idempotent); like libvirt, refuses when one of its mdevs is missing."""
         _hold("start_domain")
-        with self._state(write=True) as state:
-            dom = state["domains"].get(name)
+        with self._state(write=True) as step:
+            dom = step.state["domains"].get(name)
             if dom is None:
                 raise HostError(f"host {self.name}: domain {name} is not defined",
                                 reasons=[{"host": self.name, "domain": name}])
-            missing = [u for u in _mdev_uuids(dom["xml"]) if u not in state["devices"]]
+            missing = [u for u in _mdev_uuids(dom["xml"]) if u not in step.state["devices"]]
             if missing:
                 raise HostError(f"host {self.name}: starting domain {name} failed: mediated device "
                                 f"{missing[0]} not found", reasons=[{"host": self.name, "domain": name}])
             dom["active"] = True
             if dom.pop("saved", False):  # like libvirt: a start restores the managed save image, then drops it
                 dom["restores"] = int(dom.get("restores", 0)) + 1
+                step.save()  # the image is gone: a durable change
+            else:
+                step.log({"domain": name, "active": True})
 
     def stop_domain(self, name: str, force: bool = False) -> None:
         """Mark the domain stopped (idempotent: stopped or absent is fine)."""
         _hold("stop_domain")
-        with self._state(write=True) as state:
-            dom = state["domains"].get(name)
-            if dom is not None:
+        with self._state(write=True) as step:
+            dom = step.state["domains"].get(name)
+            if dom is not None and dom["active"]:
                 dom["active"] = False
+                step.log({"domain": name, "active": False})
 
     def managed_save(self, name: str) -> None:
         """Mark the running domain saved and stopped (idempotent: already saved is fine); its next start restores
         it (counted in the state file's `restores`)."""
         _hold("managed_save")
-        with self._state(write=True, durable=True) as state:
-            dom = state["domains"].get(name)
+        with self._state(write=True) as step:
+            dom = step.state["domains"].get(name)
             if dom is None or not (dom["active"] or dom.get("saved")):
                 raise HostError(f"host {self.name}: domain {name} is not running and has no managed save image, "
                                 "so there is nothing to save", reasons=[{"host": self.name, "domain": name}])
             dom["active"], dom["saved"] = False, True
+            step.save()
 
     def undefine_domain(self, name: str) -> None:
         """Forget the domain (idempotent: absent is fine)."""
         _hold("undefine_domain")
-        with self._state(write=True, durable=True) as state:
-            state["domains"].pop(name, None)
+        with self._state(write=True) as step:
+            if step.state["domains"].pop(name, None) is not None:
+                step.save()
 
     def list_domains(self) -> list[DomainInfo]:
         """Every domain recorded on this host, with the controller's metadata."""
-        with self._state(write=False) as state:
+        with self._state(write=False) as step:
             return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]), read_hostdevs(d["xml"]),
                                read_claim(d["xml"]), bool(d.get("saved")))
-                    for n, d in sorted(state["domains"].items())]
+                    for n, d in sorted(step.state["domains"].items())]
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes the state file."""
+
+
+@dataclass(slots=True)
+class _Cached:
+    """What an instance last read or wrote: the lock file's token then, the state file's generation, how far
+    into the journal it has applied, and the state."""
+
+    token: bytes
+    generation: int
+    offset: int
+    state: State
+
+
+def _apply(state: State, entry: dict[str, Any]) -> None:
+    """Apply one journal line: a device recorded or forgotten, or a domain's running flag."""
+    if "device" in entry:
+        if entry["is"] is None:
+            state["devices"].pop(entry["device"], None)
+        else:
+            state["devices"][entry["device"]] = entry["is"]
+    elif entry.get("domain") in state["domains"]:  # the line's generation has the domain
+        state["domains"][entry["domain"]]["active"] = bool(entry["active"])
 
 
 def _vf_address(pf: PciAddress, index: int) -> PciAddress:
