@@ -243,10 +243,9 @@ def ledger_rows(tx: Tx) -> list[LedgerRow]:
 
 def put_ledger(tx: Tx, row: LedgerRow) -> None:
     """Set a tenant's ledger, inserting it when there is none."""
-    values = row._asdict()
     if tx.execute(update(USAGE_LEDGER).where(USAGE_LEDGER.c.tenant_id == row.tenant_id)
                   .values(fb_gib_h=row.fb_gib_h, compute_h=row.compute_h, as_of=row.as_of)).rowcount == 0:
-        tx.execute(insert(USAGE_LEDGER).values(**values))
+        tx.execute(insert(USAGE_LEDGER).values(**row._asdict()))
 
 
 def interval_rows(tx: Tx) -> list[IntervalRow]:
