@@ -60,9 +60,10 @@ from vgpu_ctl.store.tables import VM as _VM
 PAGE = 16  # GPUs per single-GPU candidate page
 # Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
 # gap to the pure policy moves by about 0.1 point with the page's make-up, not steadily with its size; with pack's
-# pages widest first (`_widest_order`), 4 hosts gave gpuspec33n/mig -0.07 but default/mig -0.28, 8 hosts -0.04 and
-# -0.06. A single-GPU pack request plans over these hosts: 4 hosts cost about half the planning of 8.
-HOST_PAGE = 8
+# pages widest first (`_widest_order`), gpuspec33n/mig and default/mig gave -0.07/-0.28 with 4 hosts, -0.07/-0.10
+# with 6 and -0.04/-0.06 with 8. A single-GPU pack request plans over these hosts: at 10k GPUs one stream ran 195/s
+# with 6 against 140/s with 8 (and 168/s for fullest-first pages of 8).
+HOST_PAGE = 6
 
 
 class ClaimConflict(Exception):
