@@ -8,17 +8,16 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
-from sqlalchemy.engine import Connection
-
 from vgpu_ctl.core.geometry import Slot, decode_layout, encode_layout, fit_mask, geometry_for
 from vgpu_ctl.core.vm_state import HOLDS_HOST, IN_FLIGHT, VmState
 from vgpu_ctl.errors import VgpuCtlError
 from vgpu_ctl.ops import require_admin
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, SCOPED, TENANT, occupancy_of
+from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.fit_masks import summary_drift
-from vgpu_ctl.service.quotas import VM, allocated
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.service.quotas import allocated
 from vgpu_ctl.service.requests import BASE_RESOURCES
+from vgpu_ctl.store.reports import ReportDevice, ReportGpu
 
 if TYPE_CHECKING:
     from vgpu_ctl.catalog import Catalog
@@ -56,23 +55,22 @@ class CheckResult:
                 "problems": [asdict(p) for p in self.problems]}
 
 
-Check = Callable[[Connection, "Catalog", datetime], Iterator[Problem]]
+Check = Callable[[Tx, "Catalog", datetime], Iterator[Problem]]
 
 
-def _tenant_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    for t in conn.execute(select(TENANT)).all():
-        actual = allocated(conn, t.id)
+def _tenant_usage(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for tenant_id, _name in STORE.quotas.tenant_refs(conn):
+        t = STORE.quotas.tenant_quota(conn, tenant_id)
+        actual = allocated(conn, tenant_id)
         for r in BASE_RESOURCES:
-            stored = getattr(t, f"{r}_used")
+            stored = t.used[r]
             if stored != actual[r]:
                 yield Problem(f"tenant {t.name}", f"{r} used is {stored} but its VMs hold {actual[r]}",
                               f"{REPAIR_USAGE} (recomputes usage from allocations)")
 
 
-def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    rows = conn.execute(select(SCOPED, TENANT.c.name.label("tenant"))
-                        .join(TENANT, TENANT.c.id == SCOPED.c.tenant_id)).all()
-    for r in rows:
+def _scoped_usage(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for r in STORE.reports.scoped_usages(conn):
         actual = allocated(conn, r.tenant_id, r.scope).get(r.resource, 0)
         if r.used != actual:
             scope = "all pools" if r.scope == "*" else f"pool {r.scope}"
@@ -81,20 +79,17 @@ def _scoped_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Itera
                           f"{REPAIR_USAGE} (recomputes usage from allocations)")
 
 
-def _failed_vms(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    rows = conn.execute(select(VM.c.id, VM.c.name, func.count(DEVICE.c.id))
-                        .join(DEVICE, DEVICE.c.vm_id == VM.c.id)
-                        .where(VM.c.state == VmState.FAILED.value).group_by(VM.c.id, VM.c.name)).all()
-    for vm_id, name, n in rows:
+def _failed_vms(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for vm_id, name, n in STORE.reports.vms_holding_devices(conn, VmState.FAILED.value):
         yield Problem(f"vm {name} ({vm_id})", f"VM is failed but still holds {n} device(s)",
                       f"{RECONCILE}, or `vgpuctl vm delete {vm_id}`")
 
 
-def _slots(devs: list[Any]) -> list[Slot]:
+def _slots(devs: list[ReportDevice]) -> list[Slot]:
     return sorted(Slot(d.start, d.size, d.profile) for d in devs)
 
 
-def _overlaps(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+def _overlaps(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     for gid, devs in _devices_by_gpu(conn).items():
         slots = _slots(devs)
         for a, b in itertools.pairwise(slots):
@@ -103,30 +98,25 @@ def _overlaps(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[
                               f"delete one of the VMs holding them, then {RECONCILE}")
 
 
-def _devices_by_gpu(conn: Connection) -> dict[int, list[Any]]:
-    out: dict[int, list[Any]] = {}
-    for d in conn.execute(select(DEVICE)).all():
+def _devices_by_gpu(conn: Tx) -> dict[int, list[ReportDevice]]:
+    out: dict[int, list[ReportDevice]] = {}
+    for d in STORE.reports.all_devices(conn):
         out.setdefault(d.gpu_id, []).append(d)
     return out
 
 
-def _gpu_label(conn: Connection, g: Any, hosts: dict[int, str] | None = None) -> str:
-    """`gpu HOST/PCI` of a GPU row (`hosts`: host names by id, filled on first use; one query per call
-    without it)."""
-    if hosts is None:
-        host = conn.execute(select(HOST.c.name).where(HOST.c.id == g.host_id)).scalar()
-    else:
-        if not hosts:
-            hosts.update({r.id: r.name for r in conn.execute(select(HOST.c.id, HOST.c.name))})
-        host = hosts.get(g.host_id)
-    return f"gpu {host}/{g.pci_address}"
+def _gpu_label(conn: Tx, g: ReportGpu, hosts: dict[int, str]) -> str:
+    """`gpu HOST/PCI` of a GPU row (`hosts`: host names by id, filled on first use)."""
+    if not hosts:
+        hosts.update(STORE.quotas.host_refs(conn))
+    return f"gpu {hosts.get(g.host_id)}/{g.pci_address}"
 
 
-def _layout_check(catalog: Catalog, g: Any) -> tuple[int | None, str | None]:
+def _layout_check(catalog: Catalog, g: ReportGpu) -> tuple[int | None, str | None]:
     """(the fit mask its layout gives, None) for a GPU row whose layout is valid on its model and mode; else
     (None, why not)."""
     try:
-        occ = occupancy_of(catalog, {**g._mapping, "layout": ""})
+        occ = occupancy_of(catalog, {**g._asdict(), "layout": ""})
         for s in decode_layout(g.layout):
             occ = occ.add(s.profile, s.start)
     except (VgpuCtlError, ValueError) as exc:
@@ -134,13 +124,13 @@ def _layout_check(catalog: Catalog, g: Any) -> tuple[int | None, str | None]:
     return fit_mask(occ), None
 
 
-def _gpu_mirror(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+def _gpu_mirror(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     by_gpu = _devices_by_gpu(conn)
     hosts: dict[int, str] = {}
     # A fleet holds few distinct GPU states: what a state's layout gives is worked out once per state.
     checked: dict[tuple[Any, ...], tuple[int | None, str | None]] = {}
     empty: dict[tuple[str, str], dict[str, Any]] = {}
-    for g in conn.execute(select(GPU)).all():
+    for g in STORE.reports.all_gpus(conn):
         devs = by_gpu.get(g.id)
         if devs:
             slots = _slots(devs)
@@ -176,10 +166,10 @@ def _gpu_mirror(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
                           "(placement may skip this GPU)", "run `vgpuctl init` (recomputes every fit mask)")
 
 
-def _one_type(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+def _one_type(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
     by_gpu = _devices_by_gpu(conn)
     hosts: dict[int, str] = {}
-    for g in conn.execute(select(GPU).where(GPU.c.mode == "vgpu-equal")).all():
+    for g in STORE.reports.all_gpus(conn, "vgpu-equal"):
         if g.id not in by_gpu:
             continue
         types = sorted({d.profile for d in by_gpu[g.id]})
@@ -191,12 +181,9 @@ def _one_type(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[
                           "delete those VMs, or change the GPU's vgpu_type in the inventory")
 
 
-def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    taken = {r.host_id: (r.vcpus, r.mem) for r in conn.execute(
-        select(VM.c.host_id, func.coalesce(func.sum(VM.c.vcpus), 0).label("vcpus"),
-               func.coalesce(func.sum(VM.c.memory_mib), 0).label("mem"))
-        .where(VM.c.host_id.is_not(None), VM.c.state.in_(HOLDS_HOST)).group_by(VM.c.host_id))}
-    for h in conn.execute(select(HOST)).all():
+def _host_usage(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    taken = STORE.reports.host_vm_usage(conn, HOLDS_HOST)
+    for h in STORE.hosts.host_rows(conn):
         vcpus, mem = taken.get(h.id, (0, 0))
         for col, value in (("used_vcpus", vcpus), ("used_memory_mib", mem)):
             if getattr(h, col) != value:
@@ -204,30 +191,23 @@ def _host_usage(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterato
                               f"{REPAIR_USAGE} (recomputes host usage from its VMs)")
 
 
-def _orphans(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    orphans = conn.execute(select(DEVICE.c.id, DEVICE.c.vm_id, DEVICE.c.gpu_id)
-                           .outerjoin(VM, VM.c.id == DEVICE.c.vm_id).where(VM.c.id.is_(None))).all()
-    for dev_id, vm_id, gpu_id in orphans:
+def _orphans(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for dev_id, vm_id, gpu_id in STORE.reports.orphan_devices(conn):
         yield Problem(f"device {dev_id}", f"device on gpu {gpu_id} belongs to VM {vm_id}, which is gone",
                       f"{RECONCILE} (removes devices without a VM)")
-    rows = conn.execute(select(DEVICE.c.id, VM.c.name, GPU.c.host_id, VM.c.host_id.label("vm_host"))
-                        .join(VM, VM.c.id == DEVICE.c.vm_id).join(GPU, GPU.c.id == DEVICE.c.gpu_id)
-                        .where(GPU.c.host_id != VM.c.host_id)).all()
-    for r in rows:
-        yield Problem(f"device {r.id}", f"device of VM {r.name} is on a GPU of another host than the VM",
-                      f"delete VM {r.name}, then {RECONCILE}")
+    for r in STORE.reports.misplaced_devices(conn):
+        yield Problem(f"device {r.id}", f"device of VM {r.vm_name} is on a GPU of another host than the VM",
+                      f"delete VM {r.vm_name}, then {RECONCILE}")
 
 
-def _stuck(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    rows = conn.execute(select(VM.c.id, VM.c.name, VM.c.state, VM.c.updated_at)
-                        .where(VM.c.state.in_(IN_FLIGHT), VM.c.updated_at < cutoff)).all()
-    for r in rows:
+def _stuck(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    for r in STORE.reports.vms_since(conn, IN_FLIGHT, cutoff):
         yield Problem(f"vm {r.name} ({r.id})", f"VM has been {r.state} since {r.updated_at.isoformat()}",
                       f"{RECONCILE} (finishes or rolls back interrupted requests)")
 
 
-def _host_summaries(conn: Connection, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
-    hosts = {r.id: r.name for r in conn.execute(select(HOST.c.id, HOST.c.name))}
+def _host_summaries(conn: Tx, catalog: Catalog, cutoff: datetime) -> Iterator[Problem]:
+    hosts = dict(STORE.quotas.host_refs(conn))
     for (host_id, pool_id, model, mode, bit), have, want in summary_drift(conn):
         yield Problem(f"host {hosts.get(host_id, host_id)}",
                       f"summary of pool {pool_id}, {model} {mode}, bit {bit:#x} "

@@ -9,16 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from sqlalchemy import func, select
-from sqlalchemy.engine import Connection
 
 from vgpu_ctl.inventory import check_int
 from vgpu_ctl.ops import require_admin
 from vgpu_ctl.ops.status import pool_fits
-from vgpu_ctl.service.allocation import DEVICE, GPU, HOST, TENANT
-from vgpu_ctl.service.inventory_apply import POOL, VM
+from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.quotas import usage_report
-from vgpu_ctl.store.tables import EVENT
+from vgpu_ctl.store.reports import Count
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -29,15 +26,12 @@ MIB = 1024 * 1024
 SIZES = {"framebuffer_mib": "framebuffer", "memory_mib": "memory"}
 
 
-def provision_durations(conn: Connection) -> list[float]:
+def provision_durations(conn: Tx) -> list[float]:
     """Seconds from each VM's successful `vm.create` event to its first `vm.start` event (from the store,
     so a scrape of any process sees every VM provisioned by any process)."""
-    rows = conn.execute(select(EVENT.c.action, EVENT.c.target, EVENT.c.time, EVENT.c.result)
-                        .where(EVENT.c.action.in_(("vm.create", "vm.start")), EVENT.c.target.like("vm:%"))
-                        .order_by(EVENT.c.id)).all()
     created: dict[str, datetime] = {}
     out = []
-    for action, target, time, result in rows:
+    for action, target, time, result in STORE.reports.provision_events(conn):
         if action == "vm.create":
             if result == "ok":
                 created[target] = time
@@ -55,26 +49,26 @@ def histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(sum(values)))
 
 
-def _counted(conn: Connection, family: GaugeMetricFamily | CounterMetricFamily, *columns: Any,
+def _counted(family: GaugeMetricFamily | CounterMetricFamily, counts: list[Count],
              rename: Callable[[tuple[Any, ...]], list[str]] | None = None) -> GaugeMetricFamily | CounterMetricFamily:
-    """`family` with one sample per distinct value of `columns`: how many rows have it."""
-    for *keys, n in conn.execute(select(*columns, func.count()).group_by(*columns)).all():
-        family.add_metric(rename(tuple(keys)) if rename else [str(k) for k in keys], n)
+    """`family` with one sample per count: how many rows have its keys."""
+    for keys, n in counts:
+        family.add_metric(rename(keys) if rename else [str(k) for k in keys], n)
     return family
 
 
-def _inventory(conn: Connection) -> Iterator[Metric]:
-    pools = dict(conn.execute(select(POOL.c.id, POOL.c.name)).all())
-    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs in the inventory.",
-                                           labels=["model", "mode", "pool"]),
-                   GPU.c.model, GPU.c.mode, GPU.c.pool_id, rename=lambda k: [k[0], k[1], pools.get(k[2], "")])
-    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_hosts", "Hosts by state.", labels=["state"]), HOST.c.state)
-    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_devices", "Carved vGPUs and MIG instances.",
-                                           labels=["profile", "state"]), DEVICE.c.profile, DEVICE.c.state)
-    yield _counted(conn, GaugeMetricFamily(f"{PREFIX}_vms", "VMs by state.", labels=["state"]), VM.c.state)
+def _inventory(conn: Tx) -> Iterator[Metric]:
+    pools = STORE.reports.pool_names(conn)
+    yield _counted(GaugeMetricFamily(f"{PREFIX}_gpus", "GPUs in the inventory.", labels=["model", "mode", "pool"]),
+                   STORE.reports.gpu_counts(conn), rename=lambda k: [k[0], k[1], pools.get(k[2], "")])
+    yield _counted(GaugeMetricFamily(f"{PREFIX}_hosts", "Hosts by state.", labels=["state"]),
+                   STORE.reports.host_counts(conn))
+    yield _counted(GaugeMetricFamily(f"{PREFIX}_devices", "Carved vGPUs and MIG instances.",
+                                     labels=["profile", "state"]), STORE.reports.device_counts(conn))
+    yield _counted(GaugeMetricFamily(f"{PREFIX}_vms", "VMs by state.", labels=["state"]), STORE.reports.vm_counts(conn))
 
 
-def _tenants(conn: Connection) -> Iterator[Metric]:
+def _tenants(conn: Tx) -> Iterator[Metric]:
     usage = GaugeMetricFamily(f"{PREFIX}_tenant_usage", "What a tenant uses (counts).",
                               labels=["tenant", "scope", "resource"])
     limit = GaugeMetricFamily(f"{PREFIX}_tenant_limit", "A tenant's limit (counts; absent = unlimited).",
@@ -85,8 +79,9 @@ def _tenants(conn: Connection) -> Iterator[Metric]:
               GaugeMetricFamily(f"{PREFIX}_tenant_{word}_limit_bytes", f"A tenant's {word} limit.",
                                 labels=["tenant", "scope"]))
         for key, word in SIZES.items()}
-    for tid, name in conn.execute(select(TENANT.c.id, TENANT.c.name).order_by(TENANT.c.name)).all():
-        for row in usage_report(conn, tid):
+    for t in STORE.tenants.tenant_rows(conn):
+        name = t.name
+        for row in usage_report(conn, t.id):
             scope = "all" if row["scope"] == "*" else row["scope"]
             if row["resource"] in sized:
                 used_f, limit_f = sized[row["resource"]]
@@ -103,20 +98,19 @@ def _tenants(conn: Connection) -> Iterator[Metric]:
         yield from pair
 
 
-def _events(conn: Connection) -> Iterator[Metric]:
-    refused = select(EVENT.c.error, func.count()).where(EVENT.c.result == "refused").group_by(EVENT.c.error)
+def _events(conn: Tx) -> Iterator[Metric]:
     refusals = CounterMetricFamily(f"{PREFIX}_refusals", "Requests refused (quota, capacity), by reason.",
                                    labels=["reason"])
-    for code, n in conn.execute(refused).all():
+    for (code,), n in STORE.reports.refusal_counts(conn):
         refusals.add_metric([code or "unknown"], n)
     yield refusals
-    yield _counted(conn, CounterMetricFamily(f"{PREFIX}_events", "Audit events, by action and result.",
-                                             labels=["action", "result"]), EVENT.c.action, EVENT.c.result)
+    yield _counted(CounterMetricFamily(f"{PREFIX}_events", "Audit events, by action and result.",
+                                       labels=["action", "result"]), STORE.reports.event_counts(conn))
     yield histogram(f"{PREFIX}_vm_provision_duration_seconds",
                     "Time from a VM's claim to its first start.", provision_durations(conn))
 
 
-def _fair_share(ctl: Controller, conn: Connection) -> Iterator[Metric]:
+def _fair_share(ctl: Controller, conn: Tx) -> Iterator[Metric]:
     """Each tenant's Fair Tree factor and decayed usage (`vgpuctl share`'s tenant rows)."""
     from vgpu_ctl.service.scheduling import share_report
     factor = GaugeMetricFamily(f"{PREFIX}_tenant_fairshare", "A tenant's fair-share factor, 0..1 (Fair Tree: 1 "
@@ -143,7 +137,7 @@ def collect_metrics(ctl: Controller) -> list[Metric]:
         fits = GaugeMetricFamily(f"{PREFIX}_pool_profile_fits",
                                  "How many more of a profile fit in a pool now (alone, active hosts).",
                                  labels=["pool", "profile"])
-        for p in pool_fits(ctl, conn, [r[0] for r in conn.execute(select(POOL.c.id))]):
+        for p in pool_fits(ctl, conn):
             for profile, n in p["fits"].items():
                 fits.add_metric([p["name"], profile], n)
         out.append(fits)

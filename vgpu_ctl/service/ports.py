@@ -22,6 +22,20 @@ from vgpu_ctl.store.leader_lease import LeaderLease
 from vgpu_ctl.store.moves import HeldDevice, MoveEvent, MoveRow, PendingMove, PlacedDevice, TargetGpu
 from vgpu_ctl.store.operations import OperationLease, OperationRow
 from vgpu_ctl.store.quotas import ScopedRow, TenantQuota
+from vgpu_ctl.store.reports import (
+    Count,
+    GpuState,
+    HeldDevices,
+    MisplacedDevice,
+    ModeSummary,
+    OrphanDevice,
+    PagedGpu,
+    ProvisionEvent,
+    ReportDevice,
+    ReportGpu,
+    ScopedUsage,
+    VmSince,
+)
 from vgpu_ctl.store.scheduling import (
     AccountRow,
     ClassRow,
@@ -428,6 +442,79 @@ class QuotaStore(Protocol):
         """Set the host's used capacity."""
 
 
+class ReportStore(Protocol):
+    """What the operations views (status, the doctor, metrics) read: summaries, counts and the rows the doctor
+    checks."""
+
+    def pool_names(self, tx: Tx, pool_ids: Collection[int] | None = None) -> dict[int, str]:
+        """Pools' names by id (only those of `pool_ids` when given)."""
+
+    def host_id(self, tx: Tx, name: str) -> int | None:
+        """The id of the host named `name`."""
+
+    def hosts_by_state(self, tx: Tx, pool_ids: Sequence[int] | None = None, host: int | None = None) -> dict[str, int]:
+        """How many hosts are in each state (of those with a GPU in `pool_ids`, and of `host`, when given)."""
+
+    def mode_summaries(self, tx: Tx, pool_ids: Sequence[int] | None = None,
+                       host: int | None = None) -> list[ModeSummary]:
+        """The GPUs by mode (of `pool_ids` and `host` when given)."""
+
+    def gpu_total(self, tx: Tx, pool_ids: Sequence[int] | None = None, host: int | None = None) -> int:
+        """How many GPUs there are (of `pool_ids` and `host` when given)."""
+
+    def gpu_page(self, tx: Tx, pool_ids: Sequence[int] | None, host: int | None, offset: int,
+                 limit: int | None) -> list[PagedGpu]:
+        """GPUs by host name and PCI address, `limit` of them from `offset`."""
+
+    def pool_gpu_states(self, tx: Tx, pool_ids: Collection[int]) -> list[GpuState]:
+        """The GPUs of `pool_ids` counted by pool, state and whether their host is active."""
+
+    def all_gpus(self, tx: Tx, mode: str | None = None) -> list[ReportGpu]:
+        """Every GPU (only those in `mode` when given)."""
+
+    def all_devices(self, tx: Tx) -> list[ReportDevice]:
+        """Every device's GPU and slot."""
+
+    def vms_holding_devices(self, tx: Tx, state: str) -> list[HeldDevices]:
+        """The VMs in `state` that hold devices, with how many."""
+
+    def host_vm_usage(self, tx: Tx, states: Collection[str]) -> dict[int, tuple[int, int]]:
+        """Per host, the (vCPUs, memory MiB) its VMs in `states` take."""
+
+    def orphan_devices(self, tx: Tx) -> list[OrphanDevice]:
+        """The devices whose VM is gone."""
+
+    def misplaced_devices(self, tx: Tx) -> list[MisplacedDevice]:
+        """The devices on a GPU of another host than their VM's."""
+
+    def vms_since(self, tx: Tx, states: Collection[str], before: datetime) -> list[VmSince]:
+        """The VMs in `states` that have not changed since `before`."""
+
+    def scoped_usages(self, tx: Tx) -> list[ScopedUsage]:
+        """Every tenant's stored scoped usage."""
+
+    def gpu_counts(self, tx: Tx) -> list[Count]:
+        """GPUs by (model, mode, pool id)."""
+
+    def host_counts(self, tx: Tx) -> list[Count]:
+        """Hosts by (state,)."""
+
+    def device_counts(self, tx: Tx) -> list[Count]:
+        """Devices by (profile, state)."""
+
+    def vm_counts(self, tx: Tx) -> list[Count]:
+        """VMs by (state,)."""
+
+    def event_counts(self, tx: Tx) -> list[Count]:
+        """Audit events by (action, result)."""
+
+    def refusal_counts(self, tx: Tx) -> list[Count]:
+        """Refused requests' events by (error code,)."""
+
+    def provision_events(self, tx: Tx) -> list[ProvisionEvent]:
+        """Every VM's `vm.create` and `vm.start` events, oldest first."""
+
+
 class SchedulingStore(Protocol):
     """Priority classes, tenants' scheduling settings, the share tree's accounts, the scheduling settings, fair
     share's usage intervals and ledgers, the queue, and what a preemption plans from."""
@@ -744,6 +831,10 @@ class Store(Protocol):
         """Quotas and usage."""
 
     @property
+    def reports(self) -> ReportStore:
+        """The operations views' reads."""
+
+    @property
     def scheduling(self) -> SchedulingStore:
         """Scheduling."""
 
@@ -769,6 +860,6 @@ STORE: Store = SqlStore()
 __all__ = [
     "STORE", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore", "GpuLoadStore", "HostStore", "HostTypeStore",
     "IdempotencyStore", "InventoryStore", "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore",
-    "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore", "VmStore",
-    "utcnow",
+    "ReportStore", "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore",
+    "VmStore", "utcnow",
 ]

@@ -20,6 +20,7 @@ from vgpu_ctl.store import (
     moves,
     operations,
     quotas,
+    reports,
     scheduling,
     tenants,
     tokens,
@@ -47,6 +48,7 @@ class SqlStore:
     moves: Final = moves
     operations: Final = operations
     quotas: Final = quotas
+    reports: Final = reports
     scheduling: Final = scheduling
     tenants: Final = tenants
     utilization: Final = utilization
