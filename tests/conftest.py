@@ -108,8 +108,7 @@ def store_snapshot(c: Any) -> dict[str, Any]:
     from sqlalchemy import select
 
     from vgpu_ctl.service import allocation as alloc
-    from vgpu_ctl.service.quotas import VM
-    from vgpu_ctl.store.tables import EVENT
+    from vgpu_ctl.store.tables import EVENT, VM
 
     def rows(table: Any, order: Any) -> list[dict[str, Any]]:
         with c.engine.connect() as conn:

@@ -27,7 +27,7 @@ from vgpu_ctl.errors import Conflict
 from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.hosts import simulated_state_dir
-from vgpu_ctl.service.quotas import VM
+from vgpu_ctl.store.tables import VM
 
 EMPTY = "hosts: []\n"
 ONE_HOST = """

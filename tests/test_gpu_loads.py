@@ -18,9 +18,8 @@ from vgpu_ctl import Controller, InvalidInput, PermissionDenied
 from vgpu_ctl.server.config import ServerConfig, load_config
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import gpu_loads
-from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.store.models import utcnow
-from vgpu_ctl.store.tables import GPU_LOAD
+from vgpu_ctl.store.tables import GPU_LOAD, POOL
 
 DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
 _INFERENCE = select(POOL.c.id).where(POOL.c.name == "inference").scalar_subquery()

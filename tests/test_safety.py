@@ -69,7 +69,7 @@ def test_reconcile_reports_a_vm_another_process_works_on_as_in_progress(acme: Co
     with acme.tx() as conn:  # another live process (on another machine) is provisioning it
         from sqlalchemy import update
 
-        from vgpu_ctl.service.quotas import VM
+        from vgpu_ctl.store.tables import VM
         conn.execute(update(VM).where(VM.c.id == vm.id).values(lease_holder="elsewhere:1:abc",
                                                                 lease_expires=expiry()))
     for fix in (False, True):
@@ -97,7 +97,7 @@ def test_reconcile_finishes_a_vm_whose_holder_died(acme: Controller, state_dir: 
     from sqlalchemy import update
 
     from vgpu_ctl.service.leases import expiry, new_holder
-    from vgpu_ctl.service.quotas import VM
+    from vgpu_ctl.store.tables import VM
     vm = req(acme, "job1")
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -418,7 +418,7 @@ def test_a_lease_is_renewed_while_its_holder_works(acme: Controller) -> None:
     from sqlalchemy import select, update
 
     from vgpu_ctl.service.leases import Renewal, expiry, is_held, new_holder
-    from vgpu_ctl.service.quotas import VM
+    from vgpu_ctl.store.tables import VM
     vm = req(acme, "job1", provision=False)
     holder = new_holder()
     with acme.tx() as conn:
