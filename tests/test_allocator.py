@@ -167,6 +167,49 @@ def test_a_batch_is_written_as_one_and_a_loser_in_it_fails_alone(acme: Controlle
     check_store_invariants(acme.engine)
 
 
+def test_plans_on_a_gpu_that_do_not_follow_each_other_go_claim_by_claim(acme: Controller) -> None:
+    allocator = served(acme)
+    gate, holding = threading.Event(), threading.Event()
+    commit = allocator._commit
+
+    def held(batch: Any) -> None:
+        holding.set()
+        gate.wait(30)
+        commit(batch)
+
+    allocator._commit = held  # type: ignore[method-assign]
+    got: dict[str, Any] = {}
+
+    def claim(name: str) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.update({name: req(acme, name, "A100D-10C", pool="inference")}))
+        t.start()
+        return t
+
+    def queued(n: int) -> None:
+        for _ in range(3000):
+            if allocator._queue.qsize() >= n:
+                return
+            threading.Event().wait(0.01)
+
+    first = claim("c")  # the committer takes it and waits at the gate
+    assert holding.wait(30)
+    a = claim("a")
+    queued(1)
+    pool = allocator._pools["inference"]
+    host = next(h.host_id for h in pool.hosts.values() if h.name == "kvm-a100-01")
+    allocator._reload_hosts(pool, [host])  # memory as the store holds it: without c's and a's plans
+    b = claim("b")  # plans where a did, expecting the same GPU version
+    queued(2)
+    gate.set()
+    for t in (first, a, b):
+        t.join()
+    allocator._commit = commit  # type: ignore[method-assign]
+    vms = [got[n] for n in "cab"]
+    assert all(isinstance(v, VmInfo) for v in vms) and len(set(positions(vms))) == 3
+    assert allocator.stats["lost"] >= 1 and allocator.stats["split"] >= 1
+    check_store_invariants(acme.engine)
+
+
 @pytest.fixture
 def two_replicas(pg_url: str, state_dir: Any) -> Iterator[tuple[Controller, Controller]]:
     one = Controller(pg_url)

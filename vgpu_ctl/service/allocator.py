@@ -422,9 +422,9 @@ class Allocator:
         """Write every claim of the batch with summed conditional updates in one transaction; False (nothing
         written) when one of them would not pass, or the batch's plans on a GPU do not follow each other."""
         gpus = _gpus_after(batch)
-        if gpus is None:
-            return False
         try:
+            if gpus is None:
+                raise alloc.ClaimConflict("the batch's plans on a GPU do not follow each other")
             with self.ctx.db.write() as tx:
                 vms = self._write_all(tx, batch, gpus)
         except Exception:  # a claim of the batch would lose or be refused: each on its own says which
