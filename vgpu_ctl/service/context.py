@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from vgpu_ctl.catalog import Catalog, load_catalog
 from vgpu_ctl.service.fit_masks import ensure_fit_masks
+from vgpu_ctl.service.leases import forget_store
 from vgpu_ctl.service.ports import Tx
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.database import Database
@@ -70,9 +71,10 @@ class ServiceContext:
 
     def close(self) -> None:
         """Release database connections, host connections and the writer machinery (the allocator's claims
-        queued by then are written first)."""
+        queued by then are written first); the store's leases are renewed no more."""
         if self.allocator is not None:
             self.allocator.close()
+        forget_store(self)
         self.hosts.close()
         self.db.close()
 

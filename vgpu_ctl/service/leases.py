@@ -4,10 +4,12 @@ process of this machine that no longer runs, holds nothing, so reconcile can fin
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -19,6 +21,7 @@ from vgpu_ctl.service.ports import STORE, Tx, utcnow
 from vgpu_ctl.store.vms import VmRow
 
 if TYPE_CHECKING:
+    from vgpu_ctl.service.context import ServiceContext
     from vgpu_ctl.service.controller import Controller
 
 LEASE_SECONDS = 30.0
@@ -129,32 +132,129 @@ def drop(conn: Tx, vm_id: str, holder: str) -> None:
 
 
 class Renewal:
-    """While open, renews `holder`'s lease on the VM to `seconds` (default: this process's lease time) from
-    now, every third of that (on a background thread)."""
+    """While open, `holder`'s lease on the VM is renewed to `seconds` (default: this process's lease time)
+    from now, every third of that, by this process's one renewer thread (shared by every open Renewal):
+    entering registers the lease, leaving unregisters it without waiting for anything. A renewal already
+    under way when it leaves may land once more; the compare-and-set on the holder stays the arbiter."""
 
     def __init__(self, ctl: Controller, vm_id: str, holder: str, seconds: float | None = None) -> None:
-        self._ctl, self._vm_id, self._holder = ctl, vm_id, holder
-        seconds = _lease_seconds if seconds is None else seconds
-        self._seconds, self._every = seconds, seconds / 3
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{vm_id[:8]}", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            try:
-                with self._ctl.tx() as conn:
-                    kept = STORE.vms.set_vm_lease(conn, self._vm_id, self._holder, self._holder,
-                                                  expiry(self._seconds))
-                if not kept:
-                    return  # the lease ended (or the VM is gone): nothing more to renew
-            except Exception:  # a busy store: try again at the next tick, while the lease still runs
-                continue
+        self.ctx, self.vm_id, self.holder = ctl.ctx, vm_id, holder
+        self.seconds = _lease_seconds if seconds is None else seconds
+        self.every = self.seconds / 3
 
     def __enter__(self) -> Renewal:
-        self._thread.start()
+        _RENEWER.add(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._stop.set()
-        self._thread.join()
+        _RENEWER.remove(self)
+
+
+class _Renewer:
+    """This process's one lease renewer: a daemon thread, started with the first open Renewal, that extends
+    every due lease of a store with one statement (per lease time) and then sleeps until the next is due."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Start afresh: no leases, no thread (also a child after fork, whose parent's thread does not run in
+        it and whose parent's leases are not its own)."""
+        self._cond = threading.Condition()
+        self._due: dict[Renewal, float] = {}  # open Renewal -> when it is next due (monotonic)
+        self._busy: dict[ServiceContext, int] = {}  # stores a renewal is being written to right now
+        self._thread: threading.Thread | None = None
+
+    def add(self, r: Renewal) -> None:
+        """Renew `r`'s lease from now on."""
+        with self._cond:
+            self._due[r] = time.monotonic() + r.every
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, r: Renewal) -> None:
+        """Renew `r`'s lease no more."""
+        with self._cond:
+            self._due.pop(r, None)
+
+    def forget(self, ctx: ServiceContext) -> None:
+        """Drop the leases of a store that is closing, once no renewal is being written to it; the thread
+        ends when it holds no lease left."""
+        with self._cond:
+            for r in [r for r in self._due if r.ctx is ctx]:
+                del self._due[r]
+            self._cond.wait_for(lambda: ctx not in self._busy)
+            thread = self._end() if not self._due else None
+        self._join(thread)
+
+    def stop(self) -> None:
+        """End the thread and drop every lease it holds (at interpreter exit)."""
+        with self._cond:
+            self._due.clear()
+            thread = self._end()
+        self._join(thread)
+
+    def _end(self) -> threading.Thread | None:
+        """Tell the thread to end (with the lock held); the thread."""
+        thread, self._thread = self._thread, None
+        self._cond.notify_all()
+        return thread
+
+    @staticmethod
+    def _join(thread: threading.Thread | None) -> None:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)  # a daemon: one stuck in a busy store does not hold the exit up
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        with self._cond:
+            while self._thread is me:
+                now = time.monotonic()
+                batch = [r for r, due in self._due.items() if due <= now + r.every / 2]
+                if not batch:
+                    self._cond.wait(min(self._due.values(), default=now + 3600.0) - now)
+                    continue
+                groups: dict[tuple[ServiceContext, float], list[Renewal]] = {}
+                for r in batch:
+                    self._due[r] = now + r.every
+                    groups.setdefault((r.ctx, r.seconds), []).append(r)
+                for (ctx, seconds), grouped in groups.items():
+                    rs = [r for r in grouped if r in self._due]  # not those left or forgotten meanwhile
+                    if not rs:
+                        continue
+                    self._busy[ctx] = self._busy.get(ctx, 0) + 1
+                    self._cond.release()
+                    try:
+                        kept = _renew(ctx, rs, seconds)
+                    finally:
+                        self._cond.acquire()
+                        self._busy[ctx] -= 1
+                        if not self._busy[ctx]:
+                            del self._busy[ctx]
+                        self._cond.notify_all()
+                    for r in rs:
+                        if kept is not None and r.vm_id not in kept:  # the lease ended (or the VM is gone):
+                            self._due.pop(r, None)  # nothing more to renew
+
+
+def _renew(ctx: ServiceContext, rs: Collection[Renewal], seconds: float) -> set[str] | None:
+    """Extend the leases of `rs` (all on `ctx`'s store) to `seconds` from now; the VMs' ids whose lease was
+    extended, or None when the store was busy (tried again at the next tick, while the leases still run)."""
+    try:
+        with ctx.tx() as conn:
+            return STORE.vms.renew_vm_leases(conn, [(r.vm_id, r.holder) for r in rs], expiry(seconds))
+    except Exception:
+        return None
+
+
+def forget_store(ctx: ServiceContext) -> None:
+    """Stop renewing the leases of a store that is closing (its Renewals renew nothing from now on)."""
+    _RENEWER.forget(ctx)
+
+
+_RENEWER = _Renewer()
+os.register_at_fork(after_in_child=_RENEWER._reset)
+atexit.register(_RENEWER.stop)

@@ -673,6 +673,9 @@ class VmStore(Protocol):
                      expires: datetime | None) -> bool:
         """Set the lease if `holder` has it; whether it did."""
 
+    def renew_vm_leases(self, tx: Tx, leases: Collection[tuple[str, str]], expires: datetime) -> set[str]:
+        """Extend the leases (VM id, holder) still held, in one statement; the VMs' ids it extended."""
+
     def vms_by(self, tx: Tx, *, vm_id: str | None = None, tenant: str | None = None, name: str | None = None,
                id_prefix: str | None = None, limit: int | None = None) -> list[VmRow]:
         """VMs (with their tenant's name) by id, name (in a tenant), or id prefix."""

@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from sqlalchemy import bindparam, func, or_, select, update
+from sqlalchemy import bindparam, func, or_, select, tuple_, update
 
 from vgpu_ctl.store.moves import HeldDevice
 from vgpu_ctl.store.prepared import Prepared, end_read
@@ -171,6 +171,15 @@ def set_vm_lease(tx: Tx, vm_id: str, holder: str, holder_after: str | None, expi
     """Set the VM's lease (holder and expiry) if `holder` has it; whether it did."""
     return bool(_SET_LEASE.run(tx, {"m_id": vm_id, "m_holder": holder, "v_holder": holder_after,
                                     "v_expires": expires}).rowcount == 1)
+
+
+def renew_vm_leases(tx: Tx, leases: Collection[tuple[str, str]], expires: datetime) -> set[str]:
+    """Extend to `expires` each lease of `leases` (VM id, holder) whose holder still has it, in one statement;
+    the ids of the VMs whose lease it extended."""
+    if not leases:
+        return set()
+    pairs = tuple_(VM.c.id, VM.c.lease_holder).in_([tuple(p) for p in leases])
+    return set(tx.execute(update(VM).where(pairs).values(lease_expires=expires).returning(VM.c.id)).scalars())
 
 
 class VmHost(NamedTuple):
