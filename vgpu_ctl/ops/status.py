@@ -11,7 +11,7 @@ from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.quotas import usage_report
-from vgpu_ctl.store.reports import PagedGpu
+from vgpu_ctl.store.reports import ModeSummary, PagedGpu
 
 if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
@@ -110,11 +110,10 @@ def _tenants(conn: Tx, tenant_id: int | None) -> list[dict[str, Any]]:
 def _summary(conn: Tx, pool_ids: Sequence[int] | None, host_id: int | None) -> dict[str, Any]:
     """Hosts by state, and GPUs by mode: how many, how many hold devices, devices, units free of all."""
     hosts = STORE.reports.hosts_by_state(conn, pool_ids, host_id)
-    modes = {r.mode: r._asdict() for r in STORE.reports.mode_summaries(conn, pool_ids, host_id)}
-    for m in modes.values():
-        del m["mode"]
-    total = {k: sum(m[k] for m in modes.values()) for k in ("gpus", "in_use", "devices", "free_units",
-                                                            "axis_units")}
+    counted = ModeSummary._fields[1:]  # all but the mode
+    modes = {r.mode: dict(zip(counted, r[1:], strict=True))
+             for r in STORE.reports.mode_summaries(conn, pool_ids, host_id)}
+    total = {k: sum(m[k] for m in modes.values()) for k in counted}
     return {"hosts": sum(hosts.values()), "hosts_by_state": dict(sorted(hosts.items())), **total,
             "by_mode": modes}
 
