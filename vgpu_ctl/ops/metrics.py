@@ -79,9 +79,8 @@ def _tenants(conn: Tx) -> Iterator[Metric]:
               GaugeMetricFamily(f"{PREFIX}_tenant_{word}_limit_bytes", f"A tenant's {word} limit.",
                                 labels=["tenant", "scope"]))
         for key, word in SIZES.items()}
-    for t in STORE.tenants.tenant_rows(conn):
-        name = t.name
-        for row in usage_report(conn, t.id):
+    for tid, name, *_ in STORE.tenants.tenant_rows(conn):
+        for row in usage_report(conn, tid):
             scope = "all" if row["scope"] == "*" else row["scope"]
             if row["resource"] in sized:
                 used_f, limit_f = sized[row["resource"]]
