@@ -395,18 +395,20 @@ def test_host_discover_write_fills_the_store(fleet: Fleet, tmp_path: Path, monke
     from typer.testing import CliRunner
 
     from vgpu_ctl.cli.main import app
-    from vgpu_ctl.service.host_types import TYPE_ID
-    with fleet.ctl.tx() as conn:
-        conn.execute(TYPE_ID.delete())
+    from vgpu_ctl.service.ports import STORE
+    with fleet.ctl.tx() as conn:  # no type id recorded on any GPU
+        gpus = {h: [g.id for g in STORE.hosts.gpus_of_host(conn, h).values()] for h in ("kvm1", "kvm2")}
+        for gpu_id in gpus["kvm1"] + gpus["kvm2"]:
+            STORE.host_types.replace_type_ids(conn, gpu_id, {})
     monkeypatch.setenv("VGPU_CTL_STATE_DIR", str(tmp_path / "cli-state"))
     out = CliRunner().invoke(app, ["--db", str(fleet.ctl.engine.url), "host", "discover", fleet.kvm1_uri,
                                    "--name", "kvm1", "--write", str(tmp_path / "kvm1.yaml")])
     assert out.exit_code == 0, out.output
     assert "store: record type-ids kvm1/0000:41:00.0: mdev=2" in out.output
-    from vgpu_ctl.service.host_types import stored_ids
-    with fleet.ctl.engine.connect() as conn:
-        gpu_id = conn.execute(TYPE_ID.select().with_only_columns(TYPE_ID.c.gpu_id)).scalars().first()
-        assert gpu_id is not None and stored_ids(conn, gpu_id)["mdev"]
+    with fleet.ctl.engine.connect() as conn:  # the discovery recorded kvm1's, and only kvm1's
+        recorded = STORE.host_types.type_ids(conn, gpus["kvm1"] + gpus["kvm2"])
+        assert any(recorded[g]["mdev"] for g in gpus["kvm1"])
+        assert not any(ids for g in gpus["kvm2"] for ids in recorded[g].values())
     assert "model: A100-80GB" in (tmp_path / "kvm1.yaml").read_text()
 
 

@@ -94,13 +94,13 @@ class Real:
         self.ctl.create_tenant("acme")
         from vgpu_ctl.service.allocation import GPU
         from vgpu_ctl.service.fit_masks import ensure_fit_masks
-        from vgpu_ctl.service.host_types import _replace
+        from vgpu_ctl.service.ports import STORE
 
         # the GPU side is emulated: the type ids an earlier discovery would have recorded, and nothing lacked
         # (this machine's real discovery finds no NVIDIA GPU there); mdev calls recorded
         with self.ctl.tx() as conn:
             for gpu_id in conn.execute(GPU.select().with_only_columns(GPU.c.id)).scalars():
-                _replace(conn, gpu_id, {"mdev": {"A100D-10C": "nvidia-558"}})
+                STORE.host_types.replace_type_ids(conn, gpu_id, {"mdev": {"A100D-10C": "nvidia-558"}})
             conn.execute(GPU.update().values(lacked_types=None))
         ensure_fit_masks(self.ctl.engine, self.ctl.catalog, force=True)
 

@@ -72,7 +72,7 @@ def hibernate(ctl: Controller, vm_id: str) -> None:
     """Hibernate a running VM: in the store first (state hibernated, its host's vCPUs and memory given back, so a
     crash after it leaves a VM the queue resumes), then the managed save on its host; a failed save puts it back
     running, charged again. Conflict when the VM is not running or another process works on it."""
-    from vgpu_ctl.service.provision import _load, domain_name
+    from vgpu_ctl.service.provision import domain_name, placed_host
     holder = new_holder()
     with ctl.tx() as conn:
         vm = take(conn, vm_id, holder, (VmState.RUNNING,), to_state=VmState.HIBERNATED, what="hibernate")
@@ -81,7 +81,7 @@ def hibernate(ctl: Controller, vm_id: str) -> None:
                            reasons=[{"vm": vm_id}])
         host_id = vm.host_id
         alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
-        _vm, host, _devs = _load(ctl, conn, vm_id)
+        host = placed_host(conn, vm_id)
     def undo(conn: Tx) -> None:
         if advance(conn, vm_id, holder, (VmState.HIBERNATED,), VmState.RUNNING, keep_lease=False):
             alloc.release_host(conn, host_id, -vm.vcpus, -vm.memory_mib)  # it still runs: charged again
@@ -95,7 +95,7 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
     """Resume a hibernated VM: take its host's vCPUs and memory back and start its domain (libvirt restores the
     managed save image); a preempted one counts the preemption and gets its cool-down (`history`). NoCapacity
     when its host has no room now; Conflict when it is not hibernated; a failed start leaves it hibernated."""
-    from vgpu_ctl.service.provision import _load, _tenant_name, domain_name
+    from vgpu_ctl.service.provision import domain_name, placed_host
     holder = new_holder()
     with ctl.tx() as conn:
         vm = take(conn, vm_id, holder, (VmState.HIBERNATED,), what="resume")
@@ -111,7 +111,7 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
                              f"for its {vm.vcpus} vCPUs and {vm.memory_mib} MiB of memory now (or is not active)",
                              reasons=[{"kind": "host", "host": host_name, "vcpus": vm.vcpus,
                                        "memory_mib": vm.memory_mib}]) from None
-        _vm, host, _devs = _load(ctl, conn, vm_id)
+        host = placed_host(conn, vm_id)
     def give_back(conn: Tx) -> None:
         alloc.release_host(conn, host_id, vm.vcpus, vm.memory_mib)
         drop(conn, vm_id, holder)
@@ -125,5 +125,5 @@ def resume(ctl: Controller, vm_id: str, history: Mapping[str, Any] | None = None
             now = time.time()
             STORE.vm_sched.set_preemption_history(conn, vm_id, int(h.get("preemptions", 0)),
                                                   h.get("protected_below"), now + float(h.get("cooldown_s", 0.0)))
-        record(conn, ctl.principal.actor, "vm.resume", f"vm:{vm_id}", tenant=_tenant_name(conn, vm),
-               params={"name": vm.name, "restored": True})
+        record(conn, ctl.principal.actor, "vm.resume", f"vm:{vm_id}",
+               tenant=STORE.tenants.tenant_name(conn, vm.tenant_id), params={"name": vm.name, "restored": True})

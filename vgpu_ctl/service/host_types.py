@@ -20,7 +20,6 @@ from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.fit_masks import lacks_bits
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.store.host_types import KINDS, TypedGpu, TypeIds
-from vgpu_ctl.store.host_types import TYPE_ID as TYPE_ID  # the table, for the tests that empty it
 from vgpu_ctl.store.hosts import HostRow
 
 if TYPE_CHECKING:
@@ -108,14 +107,14 @@ def record_discovery(conn: Tx, catalog: Catalog, d: Discovery) -> list[Change]:
             what = "no NVIDIA GPU there" if g is None else f"a {g.model or 'model the catalog lacks'}"
             todo = "fix the inventory's pci/model (see `vgpuctl host discover`)"
             changes.append(_finding("gpu-mismatch", name, f"declared a {gpu.model}, the host has {what}", todo))
-            _replace(conn, gpu.id, {k: {} for k in KINDS})
+            STORE.host_types.replace_type_ids(conn, gpu.id, {k: {} for k in KINDS})
             _keep_out(conn, catalog, gpu, {n: f"host {label}: {todo}" for names in
                                            _needed(catalog, gpu, backing).values() for n in names})
             continue
         found = _found_ids(catalog, gpu.model, g)
         old = stored_ids(conn, gpu.id)
         if old != found:
-            _replace(conn, gpu.id, found)
+            STORE.host_types.replace_type_ids(conn, gpu.id, found)
             changes.append({"action": "record", "kind": "type-ids", "name": name,
                             "fields": {k: len(v) for k, v in found.items() if v or old[k]}})
         if gpu.mode == "mig" and g.nvml_seen and g.mig_current is False:
@@ -173,11 +172,6 @@ def _keep_out(conn: Tx, catalog: Catalog, gpu: TypedGpu, lacked: Mapping[str, st
 
 def _finding(kind: str, name: str, detail: str, todo: str) -> Change:
     return {"action": "report", "kind": kind, "name": name, "fields": {"detail": detail, "do": todo}}
-
-
-def _replace(conn: Tx, gpu_id: int, ids: Mapping[str, Mapping[str, str]]) -> None:
-    """Make `ids` all the type ids recorded for the GPU."""
-    STORE.host_types.replace_type_ids(conn, gpu_id, ids)
 
 
 def lacking(conn: Tx, pool_id: int, profiles: Iterable[str], limit: int = 10) -> list[dict[str, str]]:

@@ -334,9 +334,6 @@ class MoveStore(Protocol):
     def host_row(self, tx: Tx, host_id: int) -> HostRow:
         """A host a VM or a move refers to."""
 
-    def host_named(self, tx: Tx, name: str) -> HostRow | None:
-        """A host by name."""
-
     def host_gpus(self, tx: Tx, host_id: int) -> list[TargetGpu]:
         """A host's GPUs."""
 

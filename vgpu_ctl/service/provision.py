@@ -50,6 +50,14 @@ def _load(ctl: Controller, conn: Tx, vm_id: str) -> tuple[VmRow, VmHost, list[He
     return place.vm, place.host, place.devices
 
 
+def placed_host(conn: Tx, vm_id: str) -> VmHost:
+    """The host a placed VM is on, as its driver needs it (what hibernating or resuming the VM's domain talks
+    to); NotFound when the VM is gone or on no host."""
+    host = _place(conn, vm_id).host
+    assert host is not None  # _place refuses a VM on no host
+    return host
+
+
 def kvm_mig_type(catalog: Any, model: str, mig_profile: str) -> Any | None:
     """The MIG-backed vGPU type that fills a GPU instance of `mig_profile` on `model` (one vGPU per instance,
     the instance's whole framebuffer; a C-series type first), or None when the catalog has none. A KVM guest

@@ -170,7 +170,7 @@ def _check_to(ctl: Controller, conn: Tx, pool_id: int | None,
     """Whether the move's new positions fit now, read in `conn`: the new host, its GPU rows and occupancies with
     the positions placed, by GPU id, and the placements. Conflict when the host is gone, a GPU is not in the
     VM's pool (`pool_id`), or a position is taken or not allowed there."""
-    new_host = STORE.moves.host_named(conn, m.to_host)
+    new_host = STORE.hosts.host_named(conn, m.to_host)
     if new_host is None:
         raise Conflict(f"host {m.to_host} is gone; plan again", reasons=[{"host": m.to_host}])
     gpus = {g.gpu.pci_address: g for g in STORE.moves.host_gpus(conn, new_host.id)}

@@ -118,12 +118,6 @@ def host_row(tx: Tx, host_id: int) -> HostRow:
     return HostRow._make(tx.execute(select(*_HOST_COLUMNS).where(HOST.c.id == host_id)).one())
 
 
-def host_named(tx: Tx, name: str) -> HostRow | None:
-    """The host named `name`, if there is one."""
-    row = tx.execute(select(*_HOST_COLUMNS).where(HOST.c.name == name)).first()
-    return None if row is None else HostRow._make(row)
-
-
 def host_gpus(tx: Tx, host_id: int) -> list[TargetGpu]:
     """The host's GPUs."""
     return [TargetGpu(r[0], r[1], FleetGpu._make(r[2:])) for r in tx.execute(
