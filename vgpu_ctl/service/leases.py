@@ -153,7 +153,8 @@ class Renewal:
 
 class _Renewer:
     """This process's one lease renewer: a daemon thread, started with the first open Renewal, that extends
-    every due lease of a store with one statement (per lease time) and then sleeps until the next is due."""
+    every due lease of a store with one statement (per lease time) and then sleeps until the next is due (a
+    lease due no sooner than that does not wake it, so opening a Renewal costs no thread switch)."""
 
     def __init__(self) -> None:
         self._reset()
@@ -165,15 +166,17 @@ class _Renewer:
         self._due: dict[Renewal, float] = {}  # open Renewal -> when it is next due (monotonic)
         self._busy: dict[ServiceContext, int] = {}  # stores a renewal is being written to right now
         self._thread: threading.Thread | None = None
+        self._wake = float("inf")  # when the waiting thread wakes by itself (inf: it is not waiting)
 
     def add(self, r: Renewal) -> None:
         """Renew `r`'s lease from now on."""
         with self._cond:
-            self._due[r] = time.monotonic() + r.every
+            due = self._due[r] = time.monotonic() + r.every
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif due < self._wake:  # else the thread, woken by then, finds it due: no switch to it now
+                self._cond.notify()
 
     def remove(self, r: Renewal) -> None:
         """Renew `r`'s lease no more."""
@@ -214,8 +217,10 @@ class _Renewer:
             while self._thread is me:
                 now = time.monotonic()
                 batch = [r for r, due in self._due.items() if due <= now + r.every / 2]
-                if not batch:
-                    self._cond.wait(min(self._due.values(), default=now + 3600.0) - now)
+                if not batch:  # idle, it wakes every third of this process's lease time
+                    self._wake = min(self._due.values(), default=now + _lease_seconds / 3)
+                    self._cond.wait(self._wake - now)
+                    self._wake = float("inf")
                     continue
                 groups: dict[tuple[ServiceContext, float], list[Renewal]] = {}
                 for r in batch:
