@@ -14,7 +14,7 @@ trigger of its own beside 0009's update trigger (which now skips such writes); o
 with the same branch.
 """
 
-import importlib.util
+import runpy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,13 +41,9 @@ _GAINED = ("INSERT INTO host_fit (host_id, pool_id, model, mode, bitval, n_fit, 
            "free_units = host_fit.free_units + excluded.free_units")
 
 
-def _host_fit() -> Any:
-    """Migration 0009, whose trigger statements this one adapts and a downgrade puts back."""
-    spec = importlib.util.spec_from_file_location("host_fit_0009", Path(__file__).with_name("0009_host_fit.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _host_fit() -> dict[str, Any]:
+    """The names of migration 0009, whose trigger statements this one adapts and a downgrade puts back."""
+    return runpy.run_path(str(Path(__file__).with_name("0009_host_fit.py")))
 
 
 def upgrade() -> None:
@@ -55,13 +51,13 @@ def upgrade() -> None:
     if op.get_bind().dialect.name == 'sqlite':
         op.execute('DROP TRIGGER IF EXISTS gpu_host_fit_update')
         op.execute(f"""CREATE TRIGGER gpu_host_fit_update AFTER UPDATE OF fits, free_units, pool_id, host_id, model,
-mode ON gpu FOR EACH ROW WHEN ({m._CHANGED}) AND NOT ({_SAME})
-BEGIN {m._off('OLD')}; {m._on('NEW')}; END""")
+mode ON gpu FOR EACH ROW WHEN ({m["_CHANGED"]}) AND NOT ({_SAME})
+BEGIN {m["_off"]('OLD')}; {m["_on"]('NEW')}; END""")
         op.execute(f"""CREATE TRIGGER gpu_host_fit_shift AFTER UPDATE OF fits, free_units ON gpu FOR EACH ROW
 WHEN ({_SHIFTED}) AND {_SAME}
 BEGIN {_SHIFT}; {_GAINED}; END""")
         return
-    old = m._PG_STATEMENTS[0]
+    old = m["_PG_STATEMENTS"][0]
     moved = "  IF TG_OP IN ('UPDATE', 'DELETE')"
     assert old.count(moved) == 1, "0009's function as this migration knows it"
     same = _SAME.replace("IS NEW", "IS NOT DISTINCT FROM NEW")
@@ -76,6 +72,6 @@ def downgrade() -> None:
     if op.get_bind().dialect.name == 'sqlite':
         op.execute('DROP TRIGGER IF EXISTS gpu_host_fit_shift')
         op.execute('DROP TRIGGER IF EXISTS gpu_host_fit_update')
-        op.execute(m._SQLITE_TRIGGERS[2])
+        op.execute(m["_SQLITE_TRIGGERS"][2])
     else:
-        op.execute(m._PG_STATEMENTS[0].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"))
+        op.execute(m["_PG_STATEMENTS"][0].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"))
