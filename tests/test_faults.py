@@ -16,7 +16,8 @@ from vgpu_ctl.hosts.protocol import DeviceHandle, DeviceSpec
 from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.hosts import HostFactory
-from vgpu_ctl.service.quotas import VM, allocated
+from vgpu_ctl.service.quotas import allocated
+from vgpu_ctl.store.tables import VM
 
 DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
 STEPS = ["create_device", "define_domain", "start_domain"]

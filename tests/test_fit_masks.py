@@ -31,10 +31,9 @@ from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.allocation import GPU, occupancy_of
 from vgpu_ctl.service.fit_masks import ALL_BITS, CATALOG_KEY, MASK_SCHEME, ensure_fit_masks, masks_key
-from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.tables import META
+from vgpu_ctl.store.tables import META, POOL
 
 # -- the mask of an occupancy -------------------------------------------------------------------------------
 

@@ -25,9 +25,9 @@ from vgpu_ctl.core.placement import GpuView, HostView, PlacementRequest, TaskSha
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.fit_masks import summary_drift
-from vgpu_ctl.service.inventory_apply import POOL
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
+from vgpu_ctl.store.tables import POOL
 
 
 def drift(ctl: Controller) -> list[Any]:
