@@ -46,6 +46,7 @@ from vgpu_ctl.core.geometry import (
 )
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
+from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.store.prepared import Prepared, insert_all
 
 # Re-exported for the modules that still take their table handles from here (until their SQL moves too).
@@ -55,7 +56,6 @@ from vgpu_ctl.store.tables import HOST as HOST
 from vgpu_ctl.store.tables import HOST_FIT as HOST_FIT
 from vgpu_ctl.store.tables import SCOPED as SCOPED
 from vgpu_ctl.store.tables import TENANT as TENANT
-from vgpu_ctl.store.tables import VM as _VM
 
 PAGE = 16  # GPUs per single-GPU candidate page
 # Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
@@ -558,33 +558,14 @@ class TenantCharge(Enum):
 def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> TenantCharge:
     """Add `delta` to the tenant's global usage if no limit is passed; whether it did and whether the tenant
     has scoped limits (read under the row lock this update takes)."""
-    stmt = _charge_tenant_stmt(tuple(delta), tuple(r for r, n in delta.items() if n > 0))
-    row = stmt.run(conn, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).fetchone()
-    if row is None:
+    scoped = STORE.charges.charge_tenant(conn, tenant_id, delta)
+    if scoped is None:
         return TenantCharge.OVER_LIMIT
-    return TenantCharge.CHARGED_SCOPED if row[0] else TenantCharge.CHARGED
-
-
-@lru_cache(maxsize=256)
-def _charge_tenant_stmt(resources: tuple[str, ...], limited: tuple[str, ...]) -> Prepared:
-    d = {r: bindparam(f"d_{r}", type_=BigInteger) for r in resources}
-    values = {f"{r}_used": TENANT.c[f"{r}_used"] + d[r] for r in resources}
-    conds = [or_(TENANT.c[f"{r}_limit"].is_(None), TENANT.c[f"{r}_used"] + d[r] <= TENANT.c[f"{r}_limit"])
-             for r in limited]
-    return Prepared(update(TENANT).where(TENANT.c.id == bindparam("t_id", type_=Integer), *conds)
-                    .values(**values).returning(TENANT.c.has_scoped_limits))
+    return TenantCharge.CHARGED_SCOPED if scoped else TenantCharge.CHARGED
 
 
 GUARANTEED = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
 """The resources a quota may guarantee part of (globally and per pool): the base ones, not profiles."""
-
-_SCOPED_ROWS = Prepared(select(SCOPED.c.scope, SCOPED.c.resource)
-                        .where(SCOPED.c.tenant_id == bindparam("t_id", type_=Integer)))
-_SCOPED_CHARGE = Prepared(update(SCOPED).where(
-    SCOPED.c.tenant_id == bindparam("t_id", type_=Integer), SCOPED.c.scope == bindparam("s_scope"),
-    SCOPED.c.resource == bindparam("s_resource"),
-    SCOPED.c.used + bindparam("s_n", type_=BigInteger) <= SCOPED.c.limit_value,
-).values(used=SCOPED.c.used + bindparam("s_n", type_=BigInteger)))
 
 
 def charge_scoped(conn: Connection, tenant_id: int,
@@ -592,13 +573,9 @@ def charge_scoped(conn: Connection, tenant_id: int,
     """Add to each scoped limit row that exists; returns the (scope, resource) pairs whose limit would
     pass."""
     failed = []
-    rows = _SCOPED_ROWS.run(conn, {"t_id": tenant_id}).fetchall()
-    for scope, resource in rows:
+    for scope, resource in STORE.charges.scoped_keys(conn, tenant_id):
         n = charges.get((scope, resource), 0)
-        if n == 0:
-            continue
-        res = _SCOPED_CHARGE.run(conn, {"t_id": tenant_id, "s_scope": scope, "s_resource": resource, "s_n": n})
-        if res.rowcount != 1:
+        if n and not STORE.charges.charge_scoped_row(conn, tenant_id, scope, resource, n):
             failed.append((scope, resource))
     return failed
 
@@ -606,19 +583,14 @@ def charge_scoped(conn: Connection, tenant_id: int,
 def uncharge(conn: Connection, tenant_id: int, delta: Mapping[str, int],
              scoped: Mapping[tuple[str, str], int]) -> None:
     """Give back what a VM held (global usage and every scoped row that exists)."""
-    if delta:
-        conn.execute(update(TENANT).where(TENANT.c.id == tenant_id)
-                     .values(**{f"{r}_used": TENANT.c[f"{r}_used"] - n for r, n in delta.items()}))
-    for (scope, resource), n in scoped.items():
-        conn.execute(update(SCOPED).where(SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope,
-                                          SCOPED.c.resource == resource).values(used=SCOPED.c.used - n))
+    STORE.charges.uncharge(conn, tenant_id, delta, scoped)
 
 
 def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, int],
                   scoped_failed: Sequence[tuple[str, str]],
                   charges: Mapping[tuple[str, str], int]) -> QuotaExceeded:
     """The error for a request that would pass a limit, naming each limit with its usage and the request."""
-    t = conn.execute(select(TENANT).where(TENANT.c.id == tenant_id)).one()._mapping
+    t = STORE.charges.tenant_usage(conn, tenant_id)
     reasons: list[dict[str, Any]] = []
     for r, n in delta.items():
         limit = t[f"{r}_limit"]
@@ -626,52 +598,35 @@ def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[
             reasons.append({"kind": "quota", "tenant": tenant, "scope": "*", "resource": r,
                             "limit": limit, "used": t[f"{r}_used"], "requested": n})
     for scope, resource in scoped_failed:
-        row = conn.execute(select(SCOPED).where(SCOPED.c.tenant_id == tenant_id, SCOPED.c.scope == scope,
-                                                SCOPED.c.resource == resource)).one()._mapping
+        row = STORE.charges.scoped_use(conn, tenant_id, scope, resource)
         reasons.append({"kind": "quota", "tenant": tenant, "scope": scope, "resource": resource,
-                        "limit": row["limit_value"], "used": row["used"],
+                        "limit": row.limit_value, "used": row.used,
                         "requested": charges[(scope, resource)]})
     text = "; ".join(f"{x['resource']}{'' if x['scope'] == '*' else ' in pool ' + x['scope']}: "
                      f"{x['used']} used + {x['requested']} requested > limit {x['limit']}" for x in reasons)
     return QuotaExceeded(f"tenant {tenant!r} is over quota: {text}", reasons=reasons)
 
 
-_CLAIM_HOST = Prepared(update(HOST).where(
-    HOST.c.id == bindparam("h_id", type_=Integer), HOST.c.state == "active",
-    HOST.c.used_vcpus + bindparam("d_vcpus", type_=BigInteger) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
-    HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=BigInteger)
-    <= HOST.c.memory_mib * HOST.c.memory_overcommit,
-).values(used_vcpus=HOST.c.used_vcpus + bindparam("d_vcpus", type_=BigInteger),
-         used_memory_mib=HOST.c.used_memory_mib + bindparam("d_memory_mib", type_=BigInteger)))
-
-
 def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
     """Take vCPUs and memory on the host if it is active and has room (overcommit applied)."""
-    res = _CLAIM_HOST.run(conn, {"h_id": host_id, "d_vcpus": vcpus, "d_memory_mib": memory_mib})
-    if res.rowcount != 1:
+    if not STORE.charges.claim_host(conn, host_id, vcpus, memory_mib):
         raise ClaimConflict(f"host {host_id} changed")
-
-
-_GROUP_HOSTS = Prepared(select(_VM.c.host_id).where(_VM.c.anti_affinity == bindparam("group")).distinct())
-_GROUP_ON_HOST = Prepared(select(_VM.c.id).where(_VM.c.anti_affinity == bindparam("group"),
-                                                _VM.c.host_id == bindparam("h_id", type_=Integer)).limit(1))
 
 
 def hosts_of_group(conn: Connection, group: str) -> set[int]:
     """The hosts a VM of anti-affinity `group` is on (a prepared read: a claim's read takes no write lock)."""
-    return {hid for hid, in _GROUP_HOSTS.run(conn, {"group": group}) if hid is not None}
+    return STORE.charges.hosts_of_group(conn, group)
 
 
 def group_on_host(conn: Connection, group: str, host_id: int) -> bool:
     """Whether a VM of anti-affinity `group` is on the host (asked after `claim_host` locked the host row, so
     a claim committed meanwhile is seen)."""
-    return _GROUP_ON_HOST.run(conn, {"group": group, "h_id": host_id}).fetchone() is not None
+    return STORE.charges.group_on_host(conn, group, host_id)
 
 
 def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
     """Give back a VM's vCPUs and memory."""
-    conn.execute(update(HOST).where(HOST.c.id == host_id).values(
-        used_vcpus=HOST.c.used_vcpus - vcpus, used_memory_mib=HOST.c.used_memory_mib - memory_mib))
+    STORE.charges.release_host(conn, host_id, vcpus, memory_mib)
 
 
 GPU_STATE_COLUMNS = ("layout", "free_units", "active_type", "device_count", "fits")

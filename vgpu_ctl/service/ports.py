@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.charges import ScopedUse
 from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
 from vgpu_ctl.store.events import EventRow
 from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
@@ -87,6 +88,41 @@ class EventStore(Protocol):
 
     def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
         """Events, oldest first, of a tenant and since a time when given."""
+
+
+class ChargeStore(Protocol):
+    """A claim's charges: tenants' global and scoped usage, hosts' used capacity, anti-affinity reads."""
+
+    def charge_tenant(self, tx: Tx, tenant_id: int, delta: Mapping[str, int]) -> bool | None:
+        """Add to the tenant's usage unless a limit would pass: None then, else whether it has scoped limits."""
+
+    def scoped_keys(self, tx: Tx, tenant_id: int) -> list[tuple[str, str]]:
+        """The (scope, resource) of the tenant's scoped limit rows."""
+
+    def charge_scoped_row(self, tx: Tx, tenant_id: int, scope: str, resource: str, n: int) -> bool:
+        """Add to one scoped limit row unless its limit would pass; whether it did."""
+
+    def uncharge(self, tx: Tx, tenant_id: int, delta: Mapping[str, int],
+                 scoped: Mapping[tuple[str, str], int]) -> None:
+        """Take usage off the tenant's global and scoped rows."""
+
+    def tenant_usage(self, tx: Tx, tenant_id: int) -> dict[str, Any]:
+        """The tenant's row by column name."""
+
+    def scoped_use(self, tx: Tx, tenant_id: int, scope: str, resource: str) -> ScopedUse:
+        """One scoped limit row's limit and usage."""
+
+    def claim_host(self, tx: Tx, host_id: int, vcpus: int, memory_mib: int) -> bool:
+        """Take vCPUs and memory on an active host with room; whether it did."""
+
+    def release_host(self, tx: Tx, host_id: int, vcpus: int, memory_mib: int) -> None:
+        """Give back vCPUs and memory on the host."""
+
+    def hosts_of_group(self, tx: Tx, group: str) -> set[int]:
+        """The hosts a VM of the anti-affinity group is on."""
+
+    def group_on_host(self, tx: Tx, group: str, host_id: int) -> bool:
+        """Whether a VM of the anti-affinity group is on the host."""
 
 
 class ClaimStore(Protocol):
@@ -783,6 +819,10 @@ class Store(Protocol):
         """The audit trail."""
 
     @property
+    def charges(self) -> ChargeStore:
+        """A claim's charges."""
+
+    @property
     def claims(self) -> ClaimStore:
         """Claims."""
 
@@ -858,7 +898,8 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore", "GpuLoadStore", "HostStore", "HostTypeStore",
+    "STORE", "ChargeStore", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore", "GpuLoadStore", "HostStore",
+    "HostTypeStore",
     "IdempotencyStore", "InventoryStore", "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore",
     "ReportStore", "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore",
     "VmStore", "utcnow",

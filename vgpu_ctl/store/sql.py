@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from vgpu_ctl.store import (
+    charges,
     claims,
     events,
     fit_masks,
@@ -35,6 +36,7 @@ class SqlStore:
     work (`vgpu_ctl.store.unit.Tx`) it runs in."""
 
     tokens: Final = tokens
+    charges: Final = charges
     claims: Final = claims
     events: Final = events
     fit_masks: Final = fit_masks
