@@ -62,10 +62,12 @@ from sqlalchemy import select
 from vgpu_ctl.catalog import Catalog, load_catalog
 from vgpu_ctl.core.geometry import FIT_BITS, Mode, Occupancy, fit_mask, geometry_for, profile_bit
 from vgpu_ctl.core.placement import (
+    CandidateOrder,
     GpuView,
     HostView,
     PlacementPlan,
     PlacementRequest,
+    host_rank,
     plan,
 )
 from vgpu_ctl.errors import NoCapacity
@@ -556,9 +558,11 @@ class CoreFleet:
     # (pool, model, mode) -> free_units -> sorted GPU ids (ids follow host order, as the query's tie-break)
     buckets: dict[tuple[str, str, str], dict[int, list[int]]] = field(default_factory=dict)
     # the store's host_fit in memory: (pool, model, mode, bit) -> host id -> (n_fit, free units), and per key the
-    # (free units, host id) of the hosts with n_fit > 0, sorted (the partial index's order)
+    # pack order (`host_rank`: widest, then mean free units, then host id) of the hosts with n_fit > 0, sorted
+    # (the host_fit_by_width index's order); the hosts' widths by (pool, model, mode, host id)
     summary: dict[tuple[str, str, str, int], dict[int, tuple[int, int]]] = field(default_factory=dict)
-    ranked: dict[tuple[str, str, str, int], list[tuple[int, int]]] = field(default_factory=dict)
+    ranked: dict[tuple[str, str, str, int], list[tuple[float, ...]]] = field(default_factory=dict)
+    widths: dict[tuple[str, str, str, int], int] = field(default_factory=dict)
     by_host: dict[int, list[_Gpu]] = field(default_factory=dict)
 
     @classmethod
@@ -588,6 +592,9 @@ class CoreFleet:
             }
         engine.dispose()
         fleet = cls(catalog, gpus, hosts)
+        for g in gpus.values():
+            wkey = (g.pool, g.occ.geometry.model, g.occ.geometry.mode.value, g.host_id)
+            fleet.widths[wkey] = fleet.widths.get(wkey, 0) + 1
         for g in gpus.values():
             fleet._bucket(g).setdefault(g.occ.free_units, []).append(g.id)
             fleet.by_host.setdefault(g.host_id, []).append(g)
@@ -689,9 +696,10 @@ class CoreFleet:
 
     def _host_pages(self, pool: str, req: PlacementRequest) -> Iterator[list[HostView]]:
         """Whole hosts by their summaries, as `allocation._host_pages` reads them: hosts with as many GPUs of
-        one placeable that can take the profile as the request has vGPUs, fullest first (their free units),
-        then host id, merged over the placeables."""
-        lists: list[tuple[tuple[str, str, str, int], list[tuple[int, int]]]] = []
+        one placeable that can take the profile as the request has vGPUs, in pack's order (`host_rank`: the
+        widest first, then the fullest by the mean free units of those GPUs, then host id), merged over the
+        placeables."""
+        lists: list[tuple[tuple[str, str, str, int], list[tuple[float, ...]]]] = []
         for (p, model, mode), _size, name in self._clauses(pool, req.profiles):
             skey = (p, model, mode, profile_bit(geometry_for(self.catalog, model, mode), name))
             if self.ranked.get(skey):
@@ -700,13 +708,14 @@ class CoreFleet:
         ordered: Iterator[int]
         if len(lists) == 1:  # one placeable: its index range, in order
             one, r = lists[0]
-            ordered = (hid for _, hid in r if self.summary[one][hid][0] >= ndev)
+            ordered = (int(k[-1]) for k in r if self.summary[one][int(k[-1])][0] >= ndev)
         else:  # several: merged by each host's best key
-            best: dict[int, tuple[int, int]] = {}
+            best: dict[int, tuple[float, ...]] = {}
             for skey, r in lists:
-                for f, hid in r:
-                    if self.summary[skey][hid][0] >= ndev and (f, hid) < best.get(hid, (f + 1, hid)):
-                        best[hid] = (f, hid)
+                for k in r:
+                    hid = int(k[-1])
+                    if self.summary[skey][hid][0] >= ndev and (hid not in best or k < best[hid]):
+                        best[hid] = k
             ordered = iter(sorted(best, key=best.__getitem__))
         page: list[int] = []
         for hid in ordered:
@@ -729,12 +738,19 @@ class CoreFleet:
             per = self.summary.setdefault(key, {})
             n, free = per.get(g.host_id, (0, 0))
             ranked = self.ranked.setdefault(key, [])
+            width = self.widths[(g.pool, geom.model, geom.mode.value, g.host_id)]
             if n:
-                ranked.pop(bisect.bisect_left(ranked, (free, g.host_id)))
+                ranked.pop(bisect.bisect_left(ranked, self._rank(width, n, free, g.host_id)))
             n, free = n + sign, free + sign * g.occ.free_units
             per[g.host_id] = (n, free)
             if n:
-                bisect.insort(ranked, (free, g.host_id))
+                bisect.insort(ranked, self._rank(width, n, free, g.host_id))
+
+    @staticmethod
+    def _rank(width: int, n_fit: int, free: int, host_id: int) -> tuple[float, ...]:
+        """A host summary's place in pack's whole-host pages (every pool here is pack's, a policy with a host
+        cost: the order ranks widest first whatever the policy's GPU order)."""
+        return host_rank(CandidateOrder.FULLEST_FIRST, True, width, free / n_fit, host_id)
 
     def apply(self, req: PlacementRequest, chosen: PlacementPlan) -> None:
         """Record a plan: the GPUs' new occupancy and the host's usage."""

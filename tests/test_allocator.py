@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, check_store_invariants
+from conftest import DEMO, check_store_invariants, write_inventory
+from test_host_summaries import NARROW_FIRST
 
 from vgpu_ctl import Controller, NoCapacity, QuotaExceeded, VmInfo
 from vgpu_ctl.errors import Conflict, InvalidInput
@@ -93,6 +94,29 @@ def test_claims_through_memory_land_as_the_store_path_places_them(acme: Controll
     acme.release_vm(vms[0].id)
     assert usage(acme)[("*", "vms")] == 2
     check_store_invariants(acme.engine)
+
+
+def test_pack_in_memory_ranks_hosts_as_the_store_pages_them(state_dir: Path, store_url: str,
+                                                            tmp_path: Path) -> None:
+    """Nine 2-GPU hosts before an 8-GPU host in host order: pack's whole-host pages in memory list the widest
+    hosts first, then the fullest, as the store's do, so each claim of one or two GPUs lands where the store path
+    (a dry run) plans it; ranked by their fullest GPU, the first page held only 2-GPU hosts."""
+    c = Controller(store_url)
+    try:
+        c.apply_inventory(write_inventory(tmp_path, NARROW_FIRST))
+        c.create_tenant("acme")
+        allocator = served(c)
+        for i, n in enumerate([1, 2, 1, 1, 2, 1, 2, 2, 1, 1]):
+            ask: dict[str, Any] = {"vgpus": [("L40S-48C", n)], "vcpus": 2, "memory_mib": 2048, "pool": "wide",
+                                   "provision": False}
+            want = c.request_vm("acme", f"w{i}", dry_run=True, **ask)
+            got = c.request_vm("acme", f"w{i}", **ask)
+            assert (got.host, sorted(d.gpu for d in got.devices)) == (want.host, sorted(d.gpu for d in want.devices))
+        assert allocator.stats["store_path"] == 10  # the dry runs alone
+        assert c.get_vm("acme/w0").host == "kvm-09"
+        check_store_invariants(c.engine)
+    finally:
+        c.close()
 
 
 def test_what_memory_cannot_decide_goes_the_store_path(acme: Controller) -> None:

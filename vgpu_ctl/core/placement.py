@@ -90,6 +90,21 @@ def host_score(host: HostView, order: CandidateOrder) -> Score:
     return (host.order,)
 
 
+def host_rank(order: CandidateOrder, widest: bool, width: int, free: float, host_id: int) -> tuple[float, ...]:
+    """A whole host's place in a policy's candidate order of hosts, what it is sorted by: `widest` (a policy
+    with a host cost) the widest first (`width`: the host's GPUs of the model and mode in the pool), then the
+    fullest by `free` (the mean free units of its GPUs that can take the profile), then host id; otherwise the
+    policy's order of `free` (the free units of those GPUs together), then host id (host id alone for host
+    order)."""
+    if widest:
+        return (-width, free, host_id)
+    if order is CandidateOrder.EMPTIEST_FIRST:
+        return (-free, host_id)
+    if order is CandidateOrder.HOST_ORDER:
+        return (host_id,)
+    return (free, host_id)
+
+
 def _size_of(host: HostView, profile: str) -> int:
     for g in host.gpus:
         shape = g.occupancy.geometry.shapes.get(profile)
@@ -215,5 +230,5 @@ __all__ = [  # the placement API, with the types and policies it works with (the
     "HOST_REFUSAL_WORDS", "LACKS_TYPE", "POLICIES", "REFUSAL_WORDS", "CandidateOrder", "Demand", "DevicePlacement",
     "GpuView", "HostCandidate", "HostCostFn", "HostView", "PlacementPlan", "PlacementRequest", "PlanCost", "Policy",
     "PolicyDef", "Score", "ScoreFn", "TaskShape", "describe_refusal", "explain", "get_policy", "host_admits",
-    "host_score", "pack_policy", "plan", "plan_on_host", "rank_hosts",
+    "host_rank", "host_score", "pack_policy", "plan", "plan_on_host", "rank_hosts",
 ]

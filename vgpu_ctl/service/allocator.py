@@ -44,6 +44,7 @@ from vgpu_ctl.core.placement import (
     Policy,
     Score,
     host_admits,
+    host_rank,
     plan_on_host,
 )
 from vgpu_ctl.service import allocation as alloc
@@ -76,7 +77,9 @@ def _bits(occ: Occupancy, lacks: frozenset[str]) -> int:
 @dataclass
 class _Pool:
     """One pool in memory: its row, policy, hosts (views of the pool's GPUs), and an index per (geometry, fit
-    bit) of the GPUs in the policy's candidate order."""
+    bit) of the GPUs in the policy's candidate order, and one of the hosts with GPUs there in the policy's
+    candidate order of hosts (`host_rank`, as the store's `host_fit` summaries are paged), each with how many of
+    its GPUs there are."""
 
     row: Any
     order: CandidateOrder
@@ -89,6 +92,8 @@ class _Pool:
     index: dict[tuple[int, int], list[tuple[int, ...]]] = field(default_factory=dict)
     keys: dict[int, tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = field(default_factory=dict)
     plans: dict[int, dict[tuple[Any, ...], tuple[Score, PlacementPlan] | None]] = field(default_factory=dict)
+    host_index: dict[tuple[int, int], list[tuple[tuple[float, ...], int]]] = field(default_factory=dict)
+    host_keys: dict[int, dict[tuple[int, int], tuple[tuple[float, ...], int]]] = field(default_factory=dict)
 
     def unindex(self, gid: int) -> None:
         """Take a GPU out of the index."""
@@ -128,6 +133,32 @@ class _Pool:
             self.gpus[g.gpu_id] = g
             self.geometries.setdefault(id(g.occupancy.geometry), g.occupancy.geometry)
             self.reindex(g)
+        self._rank_host(view)
+
+    def _rank_host(self, view: HostView) -> None:
+        """Put a host in the host index as its `host_fit` rows rank it: per (geometry, fit bit), how many of its
+        GPUs there can take the profile and their free units (the mean, for a policy with a host cost), beside
+        its GPUs of that geometry."""
+        for slot, entry in self.host_keys.pop(view.host_id, {}).items():
+            entries = self.host_index[slot]
+            i = bisect.bisect_left(entries, entry)
+            if i < len(entries) and entries[i] == entry:
+                del entries[i]
+        width: dict[int, int] = {}
+        fit: dict[tuple[int, int], list[int]] = {}
+        for g in view.gpus:
+            width[id(g.occupancy.geometry)] = width.get(id(g.occupancy.geometry), 0) + 1
+            for slot in self.keys[g.gpu_id][0]:
+                n_free = fit.setdefault(slot, [0, 0])
+                n_free[0] += 1
+                n_free[1] += g.occupancy.free_units
+        keys = {}
+        for slot, (n, free) in fit.items():
+            entry = (host_rank(self.order, self.whole_hosts, width[slot[0]],
+                               free / n if self.whole_hosts else free, view.host_id), n)
+            bisect.insort(self.host_index.setdefault(slot, []), entry)
+            keys[slot] = entry
+        self.host_keys[view.host_id] = keys
 
     def plan(self, req: PlacementRequest, hosts: Sequence[HostView], policy: Policy) -> PlacementPlan | None:
         """`core.placement.plan` over the hosts taken in host order (as over `allocation.distinct_states` of
@@ -153,36 +184,87 @@ class _Pool:
         return best[1] if best else None
 
     def candidates(self, req: PlacementRequest) -> Iterator[list[HostView]]:
-        """Pages of hosts in the policy's candidate order that may take the request (by fit bits and room):
-        GPU pages (only the page's GPUs in each view) for one vGPU, whole-host pages otherwise."""
-        profile = req.profiles[0]
-        lists = []
+        """Pages of hosts that may take the request (by fit bits and room), as `allocation.candidate_pages` reads
+        them: GPU pages (only the page's GPUs in each view) for one vGPU in the policy's candidate order of GPUs;
+        whole hosts in its order of hosts for several vGPUs of one profile or a policy that scores whole hosts,
+        then (several vGPUs that GPUs of more than one geometry can take) the hosts with enough of them together;
+        for several profiles, those hosts alone."""
+        if not req.profiles:
+            return
+        slots = self._slots(frozenset(req.profiles))
+        if len(set(req.profiles)) > 1:
+            yield from self._grouped_pages(req, set(slots))
+            return
+        if len(req.profiles) > 1 or self.whole_hosts:
+            yield from self._host_pages(req, slots)
+            if len(req.profiles) > 1 and len(slots) > 1:
+                yield from self._grouped_pages(req, set(slots))
+            return
+        yield from self._gpu_pages(req, slots)
+
+    def _slots(self, profiles: frozenset[str]) -> list[tuple[int, int]]:
+        """The (geometry, fit bit) of each of the profiles on each geometry of the pool that offers it."""
+        out = []
         for geo_id, geo in self.geometries.items():
-            bit = profile_bit(geo, profile)
-            if bit and (geo_id, bit) in self.index:
-                lists.append(self.index[(geo_id, bit)])
-        whole = self.whole_hosts or len(req.profiles) > 1
-        size = alloc.HOST_PAGE if whole else alloc.PAGE
+            for profile in sorted(profiles):
+                bit = profile_bit(geo, profile)
+                if bit:
+                    out.append((geo_id, bit))
+        return out
+
+    @staticmethod
+    def _room(view: HostView, req: PlacementRequest) -> bool:
+        """Whether the host is active and has the request's vCPUs and memory free (the store's host filter)."""
+        return view.state == "active" and view.free_vcpus >= req.vcpus and view.free_memory_mib >= req.memory_mib
+
+    def _gpu_pages(self, req: PlacementRequest, slots: Sequence[tuple[int, int]]) -> Iterator[list[HostView]]:
+        """Pages of GPUs that can take the request's one vGPU, in the policy's candidate order of GPUs."""
+        lists = [self.index[slot] for slot in slots if slot in self.index]
         picked: dict[int, list[GpuView]] = {}
         count = 0
         for key in heapq.merge(*lists):
             gid = key[-1]
             hid = self.host_of[gid]
-            view = self.hosts[hid]
-            if view.state != "active" or view.free_vcpus < req.vcpus or view.free_memory_mib < req.memory_mib:
+            if not self._room(self.hosts[hid], req):
                 continue
-            if whole:
-                if hid in picked:
-                    continue
-                picked[hid] = list(view.gpus)
-            else:
-                picked.setdefault(hid, []).append(self.gpus[gid])
+            picked.setdefault(hid, []).append(self.gpus[gid])
             count += 1
-            if count >= size:
-                yield self._page(picked, whole)
+            if count >= alloc.PAGE:
+                yield self._page(picked, False)
                 picked, count = {}, 0
         if picked:
-            yield self._page(picked, whole)
+            yield self._page(picked, False)
+
+    def _host_pages(self, req: PlacementRequest, slots: Sequence[tuple[int, int]]) -> Iterator[list[HostView]]:
+        """Pages of whole hosts with as many GPUs of one geometry that can take the profile as the request has
+        vGPUs, in the policy's order of hosts (each by its best geometry), as the store pages `host_fit`."""
+        lists = [self.host_index[slot] for slot in slots if slot in self.host_index]
+        picked: dict[int, list[GpuView]] = {}
+        for key, n in heapq.merge(*lists):
+            hid = int(key[-1])
+            if n < len(req.profiles) or hid in picked or not self._room(self.hosts[hid], req):
+                continue
+            picked[hid] = list(self.hosts[hid].gpus)
+            if len(picked) >= alloc.HOST_PAGE:
+                yield self._page(picked, True)
+                picked = {}
+        if picked:
+            yield self._page(picked, True)
+
+    def _grouped_pages(self, req: PlacementRequest, slots: set[tuple[int, int]]) -> Iterator[list[HostView]]:
+        """Pages of whole hosts with as many GPUs that can take one of the profiles as the request has vGPUs, in
+        the policy's order of hosts by those GPUs' free units together (the store's grouping query)."""
+        ranked = []
+        for hid, view in self.hosts.items():
+            if not self._room(view, req):
+                continue
+            taking = [g for g in view.gpus if any(slot in slots for slot in self.keys[g.gpu_id][0])]
+            if len(taking) >= len(req.profiles):
+                free = sum(g.occupancy.free_units for g in taking)
+                ranked.append((host_rank(self.order, False, 0, free, hid), hid))
+        ranked.sort()
+        for i in range(0, len(ranked), alloc.HOST_PAGE):
+            yield self._page({hid: [] for _, hid in ranked[i:i + alloc.HOST_PAGE]}, True)
 
     def _page(self, picked: dict[int, list[GpuView]], whole: bool) -> list[HostView]:
         views = []
