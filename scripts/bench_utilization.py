@@ -44,7 +44,7 @@ def made_up(ctl: Controller, vgpus_per_gpu: int, now: float, busy: int) -> Fleet
     """A round of samples for every GPU of the store: the GPU's values and `vgpus_per_gpu` attributed vGPUs."""
     from sqlalchemy import select
 
-    from vgpu_ctl.service.allocation import GPU, HOST
+    from vgpu_ctl.store.tables import GPU, HOST
     with ctl.engine.connect() as conn:
         rows = conn.execute(select(GPU.c.id, GPU.c.pci_address, GPU.c.model, HOST.c.name)
                             .join(HOST, HOST.c.id == GPU.c.host_id)).all()

@@ -18,9 +18,9 @@ from sqlalchemy import update
 from vgpu_ctl import Conflict, Controller, InvalidInput, NoCapacity, Placement, QuotaExceeded, VmInfo
 from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import claim
-from vgpu_ctl.service.allocation import GPU
 from vgpu_ctl.service.requests import VgpuRequest, VmRequest
 from vgpu_ctl.store.engine import make_engine
+from vgpu_ctl.store.tables import GPU
 
 
 @pytest.fixture

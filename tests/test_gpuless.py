@@ -75,7 +75,7 @@ def _usage(c: Controller) -> dict[str, int]:
 def _host_use(c: Controller) -> dict[str, tuple[int, int]]:
     from sqlalchemy import select
 
-    from vgpu_ctl.service.allocation import HOST
+    from vgpu_ctl.store.tables import HOST
     with c.engine.connect() as conn:
         return {r.name: (r.used_vcpus, r.used_memory_mib) for r in conn.execute(select(HOST))}
 

@@ -33,8 +33,8 @@ from vgpu_ctl.errors import HostError, NoCapacity  # noqa: E402
 from vgpu_ctl.hosts.agent import AgentHostSide, InProcessTransport  # noqa: E402
 from vgpu_ctl.hosts.hostside import LocalHostSide  # noqa: E402
 from vgpu_ctl.hosts.nodedev import parse_mdev_parent  # noqa: E402
-from vgpu_ctl.service.allocation import GPU, HOST  # noqa: E402
 from vgpu_ctl.service.hosts import HostFactory  # noqa: E402
+from vgpu_ctl.store.tables import GPU, HOST  # noqa: E402
 
 # kvm1 (mdev): A100 80GB legacy-style equal-size at 41 and mixed-size at 42, H100 in MIG mode at 43 whose VF
 # 43:00.4 offers the MIG-backed type, L40S for passthrough at 44.
@@ -157,8 +157,8 @@ def _mdev_xml(parent: str, type_id: str, uuid: str, attrs: str = "") -> str:
 def test_apply_records_what_each_host_calls_each_profile(fleet: Fleet) -> None:
     from sqlalchemy import select
 
-    from vgpu_ctl.service.allocation import GPU, HOST
     from vgpu_ctl.service.host_types import stored_ids
+    from vgpu_ctl.store.tables import GPU, HOST
     with fleet.ctl.engine.connect() as conn:
         rows = conn.execute(select(HOST.c.name, GPU.c.pci_address, GPU.c.id).join(HOST, HOST.c.id == GPU.c.host_id)
                             .order_by(HOST.c.name, GPU.c.pci_address)).all()
@@ -424,7 +424,7 @@ def test_an_unreachable_declared_host_is_a_finding_not_a_failure(fleet: Fleet, t
 def _driver(fleet: Fleet, host: str) -> Any:
     from sqlalchemy import select
 
-    from vgpu_ctl.service.allocation import HOST
+    from vgpu_ctl.store.tables import HOST
     with fleet.ctl.engine.connect() as conn:
         row = conn.execute(select(HOST).where(HOST.c.name == host)).one()
     return fleet.ctl.hosts.get(row)

@@ -24,9 +24,9 @@ from vgpu_ctl import Controller  # noqa: E402
 from vgpu_ctl.core.geometry import geometry_for, profile_bit  # noqa: E402
 from vgpu_ctl.errors import NoCapacity, NotFound  # noqa: E402
 from vgpu_ctl.hosts.nodedev import parse_mdev_parent  # noqa: E402
-from vgpu_ctl.service.allocation import GPU  # noqa: E402
 from vgpu_ctl.service.fit_masks import ensure_fit_masks  # noqa: E402
 from vgpu_ctl.service.hosts import HostFactory  # noqa: E402
+from vgpu_ctl.store.tables import GPU  # noqa: E402
 
 TEN, TWENTY, FORTY = ("nvidia-558", "NVIDIA A100D-10C", 8), ("nvidia-559", "NVIDIA A100D-20C", 4), \
     ("nvidia-560", "NVIDIA A100D-40C", 2)

@@ -14,11 +14,10 @@ from sqlalchemy import Integer, bindparam, func, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from vgpu_ctl.service.allocation import HOST, TENANT
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
 from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
-from vgpu_ctl.store.tables import EVENT
+from vgpu_ctl.store.tables import EVENT, HOST, TENANT
 
 
 @pytest.fixture

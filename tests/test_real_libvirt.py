@@ -92,9 +92,9 @@ class Real:
         inv.write_text(INVENTORY)
         self.changes = self.ctl.apply_inventory(inv)
         self.ctl.create_tenant("acme")
-        from vgpu_ctl.service.allocation import GPU
         from vgpu_ctl.service.fit_masks import ensure_fit_masks
         from vgpu_ctl.service.ports import STORE
+        from vgpu_ctl.store.tables import GPU
 
         # the GPU side is emulated: the type ids an earlier discovery would have recorded, and nothing lacked
         # (this machine's real discovery finds no NVIDIA GPU there); mdev calls recorded

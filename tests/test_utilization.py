@@ -497,7 +497,7 @@ def test_measured_load_steers_spread_load_to_the_idle_gpu(store: Store) -> None:
         assert load[ids["0000:41:00.0"]] == 0.9 and load[ids["0000:81:00.0"]] == 0.03
         from sqlalchemy import select
 
-        from vgpu_ctl.service.allocation import GPU
+        from vgpu_ctl.store.tables import GPU
         with ctl.engine.connect() as conn:
             gpus = {r.id: r for r in conn.execute(select(GPU).where(GPU.c.id.in_(list(ids.values()))))}
         # 41:00.0 is empty (spread's choice) but 90 % busy with a vGPU made outside the controller;
