@@ -120,6 +120,26 @@ def test_memory_ranks_hosts_as_the_store_pages_them(state_dir: Path, store_url: 
         c.close()
 
 
+def test_reload_reads_again_only_the_hosts_that_changed(acme: Controller, store_url: str) -> None:
+    """A reload keeps the views of hosts nothing changed (and their plans) and replaces those another writer
+    changed, so memory then plans around the other writer's claim."""
+    allocator = served(acme)
+    other = Controller(store_url, init=False)
+    try:
+        before = {name: dict(p.hosts) for name, p in allocator._pools.items()}
+        theirs = req(other, "theirs", "A100D-10C")
+        allocator.reload()
+        changed = {p.hosts[h].name for n, p in allocator._pools.items() for h in p.hosts
+                   if p.hosts[h] is not before[n].get(h)}
+        assert changed == {theirs.host}
+        mine = req(acme, "mine", "A100D-10C")
+        assert (mine.devices[0].gpu, mine.devices[0].start) != (theirs.devices[0].gpu, theirs.devices[0].start)
+        assert allocator.stats["store_path"] == 0 and allocator.stats["lost"] == 0
+        check_store_invariants(acme.engine)
+    finally:
+        other.close()
+
+
 def test_what_memory_cannot_decide_goes_the_store_path(acme: Controller) -> None:
     allocator = served(acme)
     req(acme, "a", "A100D-10C")

@@ -115,9 +115,18 @@ class _Pool:
             bisect.insort(self.index.setdefault(slot, []), key)
         self.keys[g.gpu_id] = (slots, key)
 
+    def drop_host(self, hid: int) -> None:
+        """Take a host and its GPUs out of the pool."""
+        self.put_host(dataclasses.replace(self.hosts[hid], gpus=()))
+        del self.hosts[hid]
+        self.host_keys.pop(hid, None)
+
     def put_host(self, view: HostView) -> None:
-        """Replace a host's view (and the index entries of its GPUs whose view changed); forget its plans."""
+        """Replace a host's view (and the index entries of its GPUs whose view changed); forget its plans
+        unless the view is the same."""
         old = self.hosts.get(view.host_id)
+        if old == view:
+            return
         kept = {id(g) for g in view.gpus}
         for g in old.gpus if old else ():
             if id(g) not in kept:
@@ -334,17 +343,24 @@ class Allocator:
     # -- memory ------------------------------------------------------------------------------------------------
 
     def reload(self) -> None:
-        """Read every pool, host and GPU from the store again (what other replicas and releases changed)."""
+        """Read every pool, host and GPU from the store again (what other replicas and releases changed): a pool
+        whose row is unchanged keeps its memory, only the hosts whose view changed are indexed again (and forget
+        their plans), hosts gone from the pool leave it."""
         with self.ctx.db.read() as conn:
             rows = claims.all_pools(conn)
             names = {p.id: p.name for p in rows}
-            fresh = {}
-            for p in rows:
-                policy = claims.pool_policy(p.policy, p.demand)
-                pool = _Pool(p, policy.order, policy.host_cost is not None)
-                self._fill(pool, alloc.all_candidates(conn, self.ctx.catalog, [p.id], (), None, names))
-                fresh[p.name] = pool
+            found = [(p, alloc.all_candidates(conn, self.ctx.catalog, [p.id], (), None, names)) for p in rows]
         with self._lock:
+            fresh = {}
+            for p, cands in found:
+                pool = self._pools.get(p.name)
+                if pool is None or pool.row != p:
+                    policy = claims.pool_policy(p.policy, p.demand)
+                    pool = _Pool(p, policy.order, policy.host_cost is not None)
+                for hid in set(pool.hosts) - {v.host_id for v in cands.hosts}:
+                    pool.drop_host(hid)
+                self._fill(pool, cands)
+                fresh[p.name] = pool
             self._pools = fresh
             self._loaded = time.monotonic()
             self.stats["reloads"] += 1
