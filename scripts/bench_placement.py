@@ -75,8 +75,8 @@ from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.claim import pool_policy
 from vgpu_ctl.service.controller import Controller
-from vgpu_ctl.service.inventory_apply import POOL, VM
 from vgpu_ctl.store.models import utcnow
+from vgpu_ctl.store.tables import POOL, VM
 
 GPUS_PER_HOST = 8
 FILL_TARGET = 0.90

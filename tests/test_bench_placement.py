@@ -103,7 +103,7 @@ def test_prefill_is_consistent(tmp_path: Path) -> None:
             assert sorted((s.start, s.size) for s in occ.slots) == sorted((d.start, d.size) for d in devs)
             assert g.free_units == occ.free_units and g.device_count == len(devs)
         used = dict(conn.execute(select(alloc.HOST.c.id, alloc.HOST.c.used_vcpus)).all())
-        from vgpu_ctl.service.inventory_apply import VM
+        from vgpu_ctl.store.tables import VM
         per_host = dict(conn.execute(select(VM.c.host_id, func.sum(VM.c.vcpus)).group_by(VM.c.host_id)).all())
         assert all(used[h] == per_host.get(h, 0) for h in used)
     engine.dispose()

@@ -17,8 +17,6 @@ from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl, pause
 from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.store.inventory import Row
-from vgpu_ctl.store.tables import POOL as POOL  # re-exported for the modules that still import them from here
-from vgpu_ctl.store.tables import VM as VM
 
 Change = dict[str, Any]
 

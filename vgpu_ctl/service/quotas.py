@@ -11,8 +11,6 @@ from vgpu_ctl.inventory import check_int
 from vgpu_ctl.service.allocation import GUARANTEED
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import BASE_RESOURCES
-from vgpu_ctl.store.tables import POOL as POOL  # re-exported for the modules that still import them from here
-from vgpu_ctl.store.tables import VM as VM
 
 
 def allocated(conn: Tx, tenant_id: int, scope: str = "*") -> dict[str, int]:
