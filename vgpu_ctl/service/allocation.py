@@ -29,7 +29,6 @@ from sqlalchemy import (
     null,
     or_,
     select,
-    update,
 )
 from sqlalchemy.engine import Connection
 
@@ -47,7 +46,8 @@ from vgpu_ctl.core.geometry import (
 from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
 from vgpu_ctl.errors import QuotaExceeded
 from vgpu_ctl.service.ports import STORE
-from vgpu_ctl.store.prepared import Prepared, insert_all
+from vgpu_ctl.store.candidates import GPU_STATE_COLUMNS as GPU_STATE_COLUMNS
+from vgpu_ctl.store.prepared import Prepared
 
 # Re-exported for the modules that still take their table handles from here (until their SQL moves too).
 from vgpu_ctl.store.tables import DEVICE as DEVICE
@@ -147,15 +147,10 @@ def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
     return or_(*clauses) if clauses else literal(False)
 
 
-_OFFER = Prepared(select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id", type_=Integer),
-                                         GPU.c.model == bindparam("c_model"), GPU.c.mode == bindparam("c_mode"))
-                  .limit(1))
-
-
 def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) -> bool:
     """True when some GPU of the pool, by its model and mode, can hold `profile` (indexed lookups)."""
-    return any(_OFFER.run(conn, {"pool_id": pool_id, "c_model": c.model, "c_mode": c.mode}).fetchone()
-               is not None for c in placeables(catalog, frozenset((profile,))))
+    return any(STORE.candidates.pool_has(conn, pool_id, c.model, c.mode)
+               for c in placeables(catalog, frozenset((profile,))))
 
 
 # The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
@@ -629,9 +624,6 @@ def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) ->
     STORE.charges.release_host(conn, host_id, vcpus, memory_mib)
 
 
-GPU_STATE_COLUMNS = ("layout", "free_units", "active_type", "device_count", "fits")
-
-
 def gpu_state(occ: Occupancy) -> dict[str, Any]:
     """The GPU row's columns that mirror its occupancy (GPU_STATE_COLUMNS)."""
     return {"layout": encode_layout(occ.slots), "free_units": occ.free_units,
@@ -639,27 +631,10 @@ def gpu_state(occ: Occupancy) -> dict[str, Any]:
             "device_count": len(occ.slots), "fits": fit_mask(occ)}
 
 
-def unlacked(fits: Any) -> Any:
-    """SQL: a fit mask less the bits of the profiles the GPU's host lacks type ids for (`gpu.lacks`), so that
-    no candidate query offers the GPU for them."""
-    return fits - fits.op("&")(GPU.c.lacks)
-
-
-_WRITE_GPU = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type_=Integer),
-                                         GPU.c.version == bindparam("g_version", type_=Integer)).values(
-    {**{name: bindparam(f"g_{name}", type_=GPU.c[name].type) for name in GPU_STATE_COLUMNS},
-     "fits": unlacked(bindparam("g_fits", type_=BigInteger)), "version": GPU.c.version + 1}))
-
-
 def write_gpu(conn: Connection, gpu_id: int, version: int, occ: Occupancy) -> None:
     """Store a GPU's new occupancy if nobody changed it since `version` was read."""
-    res = _WRITE_GPU.run(conn, {"g_id": gpu_id, "g_version": version,
-                                **{f"g_{k}": v for k, v in gpu_state(occ).items()}})
-    if res.rowcount != 1:
+    if not STORE.candidates.write_gpu(conn, gpu_id, version, gpu_state(occ)):
         raise ClaimConflict(f"gpu {gpu_id} changed")
-
-
-_INSERT_DEVICE = insert_all(DEVICE)
 
 
 def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: PlacementPlan,
@@ -674,10 +649,7 @@ def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: Placeme
                      "framebuffer_mib": shape.framebuffer_mib, "uuid": dev_id,
                      "backing": backing_of[d.gpu_id],
                      "handle": {}, "state": "claimed"})
-    if len(rows) == 1:
-        _INSERT_DEVICE.run(conn, rows[0])
-    elif rows:  # a VM without vGPUs has none
-        _INSERT_DEVICE.run_many(conn, rows)
+    STORE.candidates.insert_devices(conn, rows)  # a VM without vGPUs has none
     return rows
 
 
@@ -686,8 +658,8 @@ def free_devices(conn: Connection, catalog: Catalog, devices: Sequence[Mapping[s
     for gpu_id in sorted({d["gpu_id"] for d in devices}):  # id order, as claims lock them
         starts = {d["start"] for d in devices if d["gpu_id"] == gpu_id}
         for _ in range(20):
-            row = conn.execute(select(*_GPU_COLS).where(GPU.c.id == gpu_id)).one()
-            occ = occupancy_of(catalog, row._mapping)
+            row = STORE.candidates.gpu_state_row(conn, gpu_id)
+            occ = occupancy_of(catalog, row._asdict())
             for s in starts:
                 if any(x.start == s for x in occ.slots):
                     occ = occ.remove(s)
@@ -696,4 +668,4 @@ def free_devices(conn: Connection, catalog: Catalog, devices: Sequence[Mapping[s
                 break
             except ClaimConflict:
                 continue
-    conn.execute(DEVICE.delete().where(DEVICE.c.id.in_([d["id"] for d in devices])))
+    STORE.candidates.delete_devices(conn, [d["id"] for d in devices])

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
 from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
 from vgpu_ctl.store.events import EventRow
@@ -88,6 +89,25 @@ class EventStore(Protocol):
 
     def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
         """Events, oldest first, of a tenant and since a time when given."""
+
+
+class CandidateStore(Protocol):
+    """A claim's GPU and device rows: pools' offers, GPUs' compare-and-set, device rows."""
+
+    def pool_has(self, tx: Tx, pool_id: int, model: str, mode: str) -> bool:
+        """Whether the pool holds a GPU of this model in this mode."""
+
+    def write_gpu(self, tx: Tx, gpu_id: int, version: int, state: Mapping[str, Any]) -> bool:
+        """Store a GPU's state columns if its version is still `version`; whether it did."""
+
+    def gpu_state_row(self, tx: Tx, gpu_id: int) -> GpuStateRow:
+        """The GPU's occupancy columns and version."""
+
+    def insert_devices(self, tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert device rows."""
+
+    def delete_devices(self, tx: Tx, device_ids: Sequence[str]) -> None:
+        """Delete device rows."""
 
 
 class ChargeStore(Protocol):
@@ -819,6 +839,10 @@ class Store(Protocol):
         """The audit trail."""
 
     @property
+    def candidates(self) -> CandidateStore:
+        """A claim's GPU and device rows."""
+
+    @property
     def charges(self) -> ChargeStore:
         """A claim's charges."""
 
@@ -898,8 +922,8 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "ChargeStore", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore", "GpuLoadStore", "HostStore",
-    "HostTypeStore",
+    "STORE", "CandidateStore", "ChargeStore", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore",
+    "GpuLoadStore", "HostStore", "HostTypeStore",
     "IdempotencyStore", "InventoryStore", "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore",
     "ReportStore", "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore",
     "VmStore", "utcnow",

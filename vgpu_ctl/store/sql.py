@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from vgpu_ctl.store import (
+    candidates,
     charges,
     claims,
     events,
@@ -36,6 +37,7 @@ class SqlStore:
     work (`vgpu_ctl.store.unit.Tx`) it runs in."""
 
     tokens: Final = tokens
+    candidates: Final = candidates
     charges: Final = charges
     claims: Final = claims
     events: Final = events
