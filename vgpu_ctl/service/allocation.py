@@ -7,6 +7,7 @@ several processes can never take the same space or pass a limit.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections import Counter
@@ -43,7 +44,14 @@ from vgpu_ctl.core.geometry import (
     profile_bit,
     supported_modes,
 )
-from vgpu_ctl.core.placement import CandidateOrder, GpuView, HostView, PlacementPlan, PlacementRequest
+from vgpu_ctl.core.placement import (
+    CandidateOrder,
+    GpuView,
+    HostView,
+    PlacementPlan,
+    PlacementRequest,
+    host_rank,
+)
 from vgpu_ctl.errors import QuotaExceeded
 from vgpu_ctl.service.ports import STORE
 from vgpu_ctl.store.candidates import GPU_STATE_COLUMNS as GPU_STATE_COLUMNS
@@ -237,14 +245,9 @@ def _host_order(order: CandidateOrder, free: Any, host_id: Any) -> list[Any]:
 
 
 def _host_key(order: CandidateOrder, widest: bool = False) -> Callable[[int, float, int], tuple[float, ...]]:
-    """`_host_order` (`widest`: `_widest_order`) in Python, on (width, free units, host id)."""
-    if widest:
-        return lambda width, free, hid: (-width, free, hid)
-    if order is CandidateOrder.EMPTIEST_FIRST:
-        return lambda width, free, hid: (-free, hid)
-    if order is CandidateOrder.HOST_ORDER:
-        return lambda width, free, hid: (hid,)
-    return lambda width, free, hid: (free, hid)
+    """`_host_order` (`widest`: `_widest_order`) in Python, on (width, free units, host id): the core's
+    `host_rank`, which the in-memory allocator ranks by too."""
+    return functools.partial(host_rank, order, widest)
 
 
 def _mean_free(hf: Any) -> Any:
