@@ -75,6 +75,7 @@ from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.claim import pool_policy
 from vgpu_ctl.service.controller import Controller
+from vgpu_ctl.store import candidate_pages, tables
 from vgpu_ctl.store.models import utcnow
 from vgpu_ctl.store.tables import POOL, VM
 
@@ -318,7 +319,7 @@ def _bulk_hosts(ctl: Controller, catalog: Catalog, n_gpus: int) -> None:
         pool_ids = {r.name: r.id for r in conn.execute(select(POOL.c.name, POOL.c.id))}
         layout = fleet_layout(n_gpus)
         conn.execute(
-            alloc.HOST.insert(),
+            tables.HOST.insert(),
             [
                 {
                     "id": i + 1,
@@ -362,7 +363,7 @@ def _bulk_hosts(ctl: Controller, catalog: Catalog, n_gpus: int) -> None:
                 for j in range(k)
             )
         for c in range(0, len(rows), 20_000):
-            conn.execute(alloc.GPU.insert(), rows[c : c + 20_000])
+            conn.execute(tables.GPU.insert(), rows[c : c + 20_000])
 
 
 def _fill_gpu(rng: random.Random, occ: Occupancy, spec: PoolSpec, target: float) -> Occupancy:
@@ -393,9 +394,9 @@ def prefill(url: str, catalog: Catalog, target: float, seed: int) -> float:
     rng = random.Random(seed)
     try:
         with engine.begin() as conn:
-            gpus = conn.execute(select(alloc.GPU.c.id, alloc.GPU.c.host_id, alloc.GPU.c.pool_id)).all()
+            gpus = conn.execute(select(tables.GPU.c.id, tables.GPU.c.host_id, tables.GPU.c.pool_id)).all()
             pools = {r.id: r.name for r in conn.execute(select(POOL.c.id, POOL.c.name))}
-            tenants = {r.name: r.id for r in conn.execute(select(alloc.TENANT.c.name, alloc.TENANT.c.id))}
+            tenants = {r.name: r.id for r in conn.execute(select(tables.TENANT.c.name, tables.TENANT.c.id))}
             order = list(gpus)
             rng.shuffle(order)
             goal = target * len(gpus)
@@ -483,26 +484,26 @@ def prefill(url: str, catalog: Catalog, target: float, seed: int) -> float:
             from sqlalchemy import bindparam
 
             upd = (
-                alloc.GPU.update()
-                .where(alloc.GPU.c.id == bindparam("g_id"))
+                tables.GPU.update()
+                .where(tables.GPU.c.id == bindparam("g_id"))
                 .values(
                     {name: bindparam(f"g_{name}") for name in alloc.GPU_STATE_COLUMNS}
-                    | {"version": alloc.GPU.c.version + 1}
+                    | {"version": tables.GPU.c.version + 1}
                 )
             )
             for c in range(0, len(gpu_updates), 20_000):
                 conn.execute(upd, gpu_updates[c : c + 20_000])
             hupd = (
-                alloc.HOST.update()
-                .where(alloc.HOST.c.id == bindparam("h_id"))
+                tables.HOST.update()
+                .where(tables.HOST.c.id == bindparam("h_id"))
                 .values(used_vcpus=bindparam("uv"), used_memory_mib=bindparam("um"))
             )
             if host_use:
                 conn.execute(hupd, [{"h_id": h, "uv": v[0], "um": v[1]} for h, v in host_use.items()])
             for t, use in t_use.items():
                 conn.execute(
-                    alloc.TENANT.update()
-                    .where(alloc.TENANT.c.id == tenants[t])
+                    tables.TENANT.update()
+                    .where(tables.TENANT.c.id == tenants[t])
                     .values(
                         vms_used=use[0],
                         vgpus_used=use[1],
@@ -519,7 +520,7 @@ def prefill(url: str, catalog: Catalog, target: float, seed: int) -> float:
 def _flush(conn: Any, vms: list[dict[str, Any]], devs: list[dict[str, Any]]) -> None:
     if vms:
         conn.execute(VM.insert(), vms)
-        conn.execute(alloc.DEVICE.insert(), devs)
+        conn.execute(tables.DEVICE.insert(), devs)
     vms.clear()
     devs.clear()
 
@@ -584,11 +585,11 @@ class CoreFleet:
                     h.state,
                     alloc._labels(h.labels),
                 )
-                for h in conn.execute(select(*alloc._HOST_COLS))
+                for h in conn.execute(select(*candidate_pages.HOST_COLUMNS))
             }
             gpus = {
                 r.id: _Gpu(r.id, r.host_id, r.pci_address, pools[r.pool_id], alloc.occupancy_of(catalog, r._mapping))
-                for r in conn.execute(select(*alloc._GPU_COLS).order_by(alloc.GPU.c.id))
+                for r in conn.execute(select(*candidate_pages.GPU_COLUMNS).order_by(tables.GPU.c.id))
             }
         engine.dispose()
         fleet = cls(catalog, gpus, hosts)

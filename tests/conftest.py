@@ -107,7 +107,7 @@ def store_snapshot(c: Any) -> dict[str, Any]:
     """What a refused call must leave as it was: inventory, tenants, usage, VMs, devices, events, quotas."""
     from sqlalchemy import select
 
-    from vgpu_ctl.service import allocation as alloc
+    from vgpu_ctl.store import tables
     from vgpu_ctl.store.tables import EVENT, VM
 
     def rows(table: Any, order: Any) -> list[dict[str, Any]]:
@@ -116,12 +116,12 @@ def store_snapshot(c: Any) -> dict[str, Any]:
 
     return {
         "inventory": c.inventory(),
-        "tenants": rows(alloc.TENANT, alloc.TENANT.c.id),
-        "scoped": rows(alloc.SCOPED, alloc.SCOPED.c.id),
+        "tenants": rows(tables.TENANT, tables.TENANT.c.id),
+        "scoped": rows(tables.SCOPED, tables.SCOPED.c.id),
         "vms": rows(VM, VM.c.id),
-        "devices": rows(alloc.DEVICE, alloc.DEVICE.c.id),
-        "gpus": rows(alloc.GPU, alloc.GPU.c.id),
-        "hosts": rows(alloc.HOST, alloc.HOST.c.id),
+        "devices": rows(tables.DEVICE, tables.DEVICE.c.id),
+        "gpus": rows(tables.GPU, tables.GPU.c.id),
+        "hosts": rows(tables.HOST, tables.HOST.c.id),
         "events": rows(EVENT, EVENT.c.id),
     }
 

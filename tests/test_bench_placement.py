@@ -86,6 +86,7 @@ def test_prefill_is_consistent(tmp_path: Path) -> None:
 
     from vgpu_ctl.catalog import load_catalog
     from vgpu_ctl.service import allocation as alloc
+    from vgpu_ctl.store import tables
     from vgpu_ctl.store.engine import make_engine
 
     catalog = load_catalog()
@@ -95,14 +96,14 @@ def test_prefill_is_consistent(tmp_path: Path) -> None:
     assert 0.6 <= fill <= 1.0
     engine = make_engine(url)
     with engine.connect() as conn:
-        gpus = conn.execute(select(alloc.GPU)).all()
+        gpus = conn.execute(select(tables.GPU)).all()
         for g in gpus:
             occ = alloc.occupancy_of(catalog, g._mapping)
-            devs = conn.execute(select(alloc.DEVICE.c.start, alloc.DEVICE.c.size)
-                                .where(alloc.DEVICE.c.gpu_id == g.id)).all()
+            devs = conn.execute(select(tables.DEVICE.c.start, tables.DEVICE.c.size)
+                                .where(tables.DEVICE.c.gpu_id == g.id)).all()
             assert sorted((s.start, s.size) for s in occ.slots) == sorted((d.start, d.size) for d in devs)
             assert g.free_units == occ.free_units and g.device_count == len(devs)
-        used = dict(conn.execute(select(alloc.HOST.c.id, alloc.HOST.c.used_vcpus)).all())
+        used = dict(conn.execute(select(tables.HOST.c.id, tables.HOST.c.used_vcpus)).all())
         from vgpu_ctl.store.tables import VM
         per_host = dict(conn.execute(select(VM.c.host_id, func.sum(VM.c.vcpus)).group_by(VM.c.host_id)).all())
         assert all(used[h] == per_host.get(h, 0) for h in used)

@@ -25,8 +25,8 @@ from vgpu_ctl import Controller, PlacedDevice, Placement, VmInfo, __version__
 from vgpu_ctl.cli.main import app
 from vgpu_ctl.errors import Conflict
 from vgpu_ctl.hosts.simulated import SimulatedHost
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.hosts import simulated_state_dir
+from vgpu_ctl.store import tables
 from vgpu_ctl.store.tables import VM
 
 EMPTY = "hosts: []\n"
@@ -426,9 +426,9 @@ def _forget_vm(url: str) -> str:
     with Controller(url) as ctl:
         vm = ctl.request_vm("acme", "keep", [("A100D-20C", 1)], vcpus=2, memory_mib=4096, pool="training")
         with ctl.tx() as conn:
-            conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
+            conn.execute(tables.DEVICE.delete().where(tables.DEVICE.c.vm_id == vm.id))
             conn.execute(VM.delete().where(VM.c.id == vm.id))
-            conn.execute(alloc.TENANT.update().values(vms_used=0, vgpus_used=0, framebuffer_mib_used=0,
+            conn.execute(tables.TENANT.update().values(vms_used=0, vgpus_used=0, framebuffer_mib_used=0,
                                                       vcpus_used=0, memory_mib_used=0))
         return next(d.name for d in ctl.hosts.get(_host(ctl, "kvm-a100-01")).list_domains())
 
@@ -436,7 +436,7 @@ def _forget_vm(url: str) -> str:
 def _host(ctl: Controller, name: str) -> Any:
     from sqlalchemy import select
     with ctl.engine.connect() as conn:
-        return conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == name)).one()
+        return conn.execute(select(tables.HOST).where(tables.HOST.c.name == name)).one()
 
 
 def _domains(url: str) -> list[str]:

@@ -17,6 +17,7 @@ from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.hosts import HostFactory
 from vgpu_ctl.service.quotas import allocated
+from vgpu_ctl.store import tables
 from vgpu_ctl.store.tables import VM
 
 DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
@@ -73,20 +74,20 @@ def _controller(url: str, state: Path, step: str | None = None, kill: bool = Fal
 def assert_consistent(ctl: Controller) -> None:
     """The store and the hosts agree and usage equals allocations."""
     with ctl.engine.connect() as conn:
-        orphan_claims = conn.execute(select(func.count()).select_from(alloc.DEVICE).outerjoin(
-            VM, VM.c.id == alloc.DEVICE.c.vm_id).where(VM.c.id.is_(None))).scalar()
+        orphan_claims = conn.execute(select(func.count()).select_from(tables.DEVICE).outerjoin(
+            VM, VM.c.id == tables.DEVICE.c.vm_id).where(VM.c.id.is_(None))).scalar()
         assert orphan_claims == 0
-        for t in conn.execute(select(alloc.TENANT)).all():
+        for t in conn.execute(select(tables.TENANT)).all():
             actual = allocated(conn, t.id)
             for r in ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib"):
                 assert t._mapping[f"{r}_used"] == actual[r], r
-        store_uuids = {r[0] for r in conn.execute(select(alloc.DEVICE.c.uuid))}
-        for g in conn.execute(select(alloc.GPU)).all():
+        store_uuids = {r[0] for r in conn.execute(select(tables.DEVICE.c.uuid))}
+        for g in conn.execute(select(tables.GPU)).all():
             occ = alloc.occupancy_of(ctl.catalog, g._mapping)
-            starts = sorted(r[0] for r in conn.execute(select(alloc.DEVICE.c.start)
-                                                       .where(alloc.DEVICE.c.gpu_id == g.id)))
+            starts = sorted(r[0] for r in conn.execute(select(tables.DEVICE.c.start)
+                                                       .where(tables.DEVICE.c.gpu_id == g.id)))
             assert [s.start for s in occ.slots] == starts
-        hosts = conn.execute(select(alloc.HOST)).all()
+        hosts = conn.execute(select(tables.HOST)).all()
     on_hosts = {d.uuid for h in hosts for d in ctl.hosts.get(h).list_devices()}
     assert on_hosts == store_uuids, "every device on a host has a claim and every claim a device"
 
@@ -146,7 +147,7 @@ def test_reconcile_keeps_a_device_a_domain_uses(fault_store: tuple[str, Path]) -
     ctl = _controller(url, state)
     vm = ctl.get_vm("acme/keep")
     with ctl.tx() as conn:  # the store loses the claim, the host keeps device and domain
-        conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
+        conn.execute(tables.DEVICE.delete().where(tables.DEVICE.c.vm_id == vm.id))
     report = ctl.reconcile(fix=True)
     kinds = {f.kind: f for f in report.findings}
     assert kinds["orphan-device"].action == "none (in use)" and not kinds["orphan-device"].fixed
@@ -159,7 +160,7 @@ def test_reconcile_removes_an_orphan_device_and_a_leaked_domain(fault_store: tup
     ctl = _controller(url, state)
     vm = ctl.get_vm("acme/keep")
     with ctl.tx() as conn:  # a VM the store forgot entirely (e.g. restored from an old backup)
-        conn.execute(alloc.DEVICE.delete().where(alloc.DEVICE.c.vm_id == vm.id))
+        conn.execute(tables.DEVICE.delete().where(tables.DEVICE.c.vm_id == vm.id))
         conn.execute(VM.delete().where(VM.c.id == vm.id))
     report = ctl.reconcile(fix=True, confirm_undefine=lambda f: True)  # it runs: asked
     assert {f.kind for f in report.findings} >= {"unknown-domain", "orphan-device"}

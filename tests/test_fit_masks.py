@@ -29,11 +29,11 @@ from vgpu_ctl.core.placement import PlacementRequest, get_policy
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.ops.doctor import diagnose
 from vgpu_ctl.service import allocation as alloc
-from vgpu_ctl.service.allocation import GPU, occupancy_of
+from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.fit_masks import ALL_BITS, CATALOG_KEY, MASK_SCHEME, ensure_fit_masks, masks_key
-from vgpu_ctl.store import migrate
+from vgpu_ctl.store import migrate, tables
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.tables import META, POOL
+from vgpu_ctl.store.tables import GPU, META, POOL
 
 # -- the mask of an occupancy -------------------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ def test_mask_of_a_pinned_and_a_full_gpu() -> None:
 
 
 def gpu_rows(engine: Engine) -> list[Any]:
-    host = alloc.HOST
+    host = tables.HOST
     with engine.connect() as conn:
         return list(conn.execute(select(GPU, host.c.name.label("host_name")).join(host, host.c.id == GPU.c.host_id)
                                  .order_by(GPU.c.id)).all())

@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from vgpu_ctl import Controller, InvalidInput, PermissionDenied
 from vgpu_ctl.server.config import ServerConfig, load_config
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service import gpu_loads
+from vgpu_ctl.store import tables
 from vgpu_ctl.store.models import utcnow
 from vgpu_ctl.store.tables import GPU_LOAD, POOL
 
@@ -38,10 +38,10 @@ def fleet(ctl: Controller, tmp_path: Path) -> Controller:
 
 def _h100s(ctl: Controller) -> list[Any]:
     with ctl.engine.connect() as conn:
-        return conn.execute(select(alloc.GPU.c.id, alloc.GPU.c.pci_address).where(alloc.GPU.c.model == "H100-80GB",
-                                                                                  alloc.GPU.c.mode == "mig",
-                                                                                  alloc.GPU.c.pool_id == _INFERENCE)
-                            .order_by(alloc.GPU.c.pci_address)).all()
+        return conn.execute(select(tables.GPU.c.id, tables.GPU.c.pci_address).where(tables.GPU.c.model == "H100-80GB",
+                                                                                  tables.GPU.c.mode == "mig",
+                                                                                  tables.GPU.c.pool_id == _INFERENCE)
+                            .order_by(tables.GPU.c.pci_address)).all()
 
 
 def _where(ctl: Controller, name: str) -> str:
@@ -65,7 +65,7 @@ def test_a_stale_load_counts_as_none(fleet: Controller) -> None:
     with fleet.tx() as conn:
         gpu_loads.record(conn, {a: 0.0, b: 0.9}, at=utcnow() - timedelta(seconds=gpu_loads.MAX_AGE_S + 60))
     with fleet.engine.connect() as conn:
-        assert gpu_loads.recent(conn, conn.execute(select(alloc.GPU.c.pool_id).where(alloc.GPU.c.id == a))
+        assert gpu_loads.recent(conn, conn.execute(select(tables.GPU.c.pool_id).where(tables.GPU.c.id == a))
                                 .scalar_one()) == {}
     fleet.record_gpu_loads({a: 0.9})  # only a fresh one counts: b is taken as idle
     assert _where(fleet, "one") == pci_b
@@ -118,7 +118,7 @@ def _one_vm(c: Controller) -> OneGpu:
                       provision=False)
     host, pci = vm.devices[0].gpu.split("/")
     with c.engine.connect() as conn:
-        uuid = conn.execute(select(alloc.DEVICE.c.uuid).where(alloc.DEVICE.c.vm_id == vm.id)).scalar_one()
+        uuid = conn.execute(select(tables.DEVICE.c.uuid).where(tables.DEVICE.c.vm_id == vm.id)).scalar_one()
     return OneGpu(host, pci, uuid)
 
 

@@ -14,8 +14,8 @@ from tests.conftest import Cli, check_store_invariants, store_snapshot, write_in
 from vgpu_ctl import Controller
 from vgpu_ctl.hosts.protocol import DeviceHandle, DeviceSpec
 from vgpu_ctl.hosts.simulated import SimulatedHost
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.hosts import HostFactory
+from vgpu_ctl.store import tables
 
 TWO_HOSTS = """
 pools:
@@ -79,8 +79,8 @@ class FailingFactory(HostFactory):
 def usage(c: Controller) -> list[dict[str, Any]]:
     """Every tenant's usage columns (global and scoped)."""
     with c.engine.connect() as conn:
-        tenants = [dict(r._mapping) for r in conn.execute(alloc.TENANT.select().order_by(alloc.TENANT.c.id))]
-        scoped = [dict(r._mapping) for r in conn.execute(alloc.SCOPED.select().order_by(alloc.SCOPED.c.id))]
+        tenants = [dict(r._mapping) for r in conn.execute(tables.TENANT.select().order_by(tables.TENANT.c.id))]
+        scoped = [dict(r._mapping) for r in conn.execute(tables.SCOPED.select().order_by(tables.SCOPED.c.id))]
     for t in tenants:
         t.pop("generation", None)
         t.pop("updated_at", None)
@@ -90,7 +90,7 @@ def usage(c: Controller) -> list[dict[str, Any]]:
 def on_host(c: Controller, host: str) -> tuple[set[str], dict[str, bool]]:
     """The device uuids and the domains (name -> running) a simulated host has."""
     with c.engine.connect() as conn:
-        row = conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == host)).one()
+        row = conn.execute(tables.HOST.select().where(tables.HOST.c.name == host)).one()
     driver = c.hosts.get(row)
     return {d.uuid for d in driver.list_devices()}, {d.name: d.active for d in driver.list_domains()}
 
@@ -184,7 +184,7 @@ def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Pat
 
 def _host_used(c: Controller) -> dict[str, tuple[int, int]]:
     with c.engine.connect() as conn:
-        return {r.name: (r.used_vcpus, r.used_memory_mib) for r in conn.execute(alloc.HOST.select())}
+        return {r.name: (r.used_vcpus, r.used_memory_mib) for r in conn.execute(tables.HOST.select())}
 
 
 @pytest.mark.parametrize("step", ["create_device", "define_domain", "start_domain"])
@@ -290,7 +290,7 @@ def test_a_failed_move_on_the_same_host_gets_its_old_domain_back(cli: Cli, step:
         assert vm.state == "running" and store_snapshot(c)["devices"] == before
         assert check_store_invariants(c.engine) == sums
         with c.engine.connect() as conn:
-            host = conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == "kvm-l40s-01")).one()
+            host = conn.execute(tables.HOST.select().where(tables.HOST.c.name == "kvm-l40s-01")).one()
         domain = next(d for d in c.hosts.get(host).list_domains() if d.uuid == vm.id)
         assert domain.active
         assert set(domain.hostdevs) == {d.uuid for d in vm.devices}  # the old definition
@@ -358,7 +358,7 @@ def test_apply_on_a_generated_fleet_frees_what_the_plan_says(tmp_path: Path, mon
         moves = [e for e in c.events() if e["action"] == "vm.move"]
         assert [e["params"]["name"] for e in moves] == [m.name for m in plan.moves]
         with c.engine.connect() as conn:
-            in_use = conn.execute(alloc.GPU.select().where(alloc.GPU.c.device_count > 0)).all()
+            in_use = conn.execute(tables.GPU.select().where(tables.GPU.c.device_count > 0)).all()
         assert len(in_use) == plan.to_dict()["summary"]["in_use_gpus_after"]
         for f in plan.freed:
             assert not any(g.pci_address == f.pci and g.host_id == _host_id(c, f.host) for g in in_use)
@@ -367,7 +367,7 @@ def test_apply_on_a_generated_fleet_frees_what_the_plan_says(tmp_path: Path, mon
 
 def _host_id(c: Controller, name: str) -> int:
     with c.engine.connect() as conn:
-        return int(conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == name)).one().id)
+        return int(conn.execute(tables.HOST.select().where(tables.HOST.c.name == name)).one().id)
 
 
 def test_the_api_refuses_a_tenant(cli: Cli) -> None:

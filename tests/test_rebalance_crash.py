@@ -18,9 +18,9 @@ from sqlalchemy import select
 from tests.conftest import DEMO, Cli, check_store_invariants
 from tests.test_rebalance_apply import on_host, seed_two_hosts, usage
 from vgpu_ctl import Controller
-from vgpu_ctl.service import allocation as alloc
 from vgpu_ctl.service.provision import domain_name
 from vgpu_ctl.service.rebalance import CRASH_ENV
+from vgpu_ctl.store import tables
 from vgpu_ctl.store.moves import MOVE
 
 VGPUCTL = str(Path(sys.executable).with_name("vgpuctl"))
@@ -57,7 +57,7 @@ def _crash(url: str, goal: str, point: str) -> subprocess.CompletedProcess[str]:
 def _hosts_holding(c: Controller, uuids: set[str], domain: str) -> dict[str, tuple[set[str], bool | None]]:
     """Per host: which of `uuids` it has, and whether it has the domain (running or not; None: absent)."""
     with c.engine.connect() as conn:
-        names = [r.name for r in conn.execute(select(alloc.HOST.c.name))]
+        names = [r.name for r in conn.execute(select(tables.HOST.c.name))]
     out = {}
     for h in names:
         devs, domains = on_host(c, h)
@@ -109,7 +109,7 @@ def test_a_move_killed_at_each_step_is_settled_by_reconcile(store_url: str, stat
         for h in held:  # nothing of the other placement left on any host: only its own devices, known to the store
             uuids, _domains = on_host(c, h)
             with c.engine.connect() as conn:
-                known = {r.uuid for r in conn.execute(select(alloc.DEVICE.c.uuid))}
+                known = {r.uuid for r in conn.execute(select(tables.DEVICE.c.uuid))}
             assert uuids <= known, h
         assert usage(c) == before_usage
         assert check_store_invariants(c.engine) == before_sums

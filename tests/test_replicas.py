@@ -347,7 +347,7 @@ def test_drain_timeout_leaves_the_operation_to_the_next_leader(sqlite_store: Sto
 
 def test_reconcile_loop_repairs_drift_made_on_a_host(sqlite_store: Store) -> None:
     from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceSpec
-    from vgpu_ctl.service import allocation as alloc
+    from vgpu_ctl.store import tables
     store = sqlite_store
     rep = store.start("--reconcile-interval", "1")
     _wait_leader(store, [rep])
@@ -362,7 +362,7 @@ def test_reconcile_loop_repairs_drift_made_on_a_host(sqlite_store: Store) -> Non
     try:
         vm = c.get_vm("acme/drifted")
         with c.engine.connect() as conn:
-            host = conn.execute(alloc.HOST.select().where(alloc.HOST.c.name == vm.host)).one()
+            host = conn.execute(tables.HOST.select().where(tables.HOST.c.name == vm.host)).one()
         driver = c.hosts.get(host)
         lost = vm.devices[0]
         gone = next(d for d in driver.list_devices() if d.uuid == lost.uuid)

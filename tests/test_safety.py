@@ -29,8 +29,8 @@ def _domain_active(ctl: Controller, vm: Any) -> bool:
     with ctl.engine.connect() as conn:
         from sqlalchemy import select
 
-        from vgpu_ctl.service import allocation as alloc
-        host = conn.execute(select(alloc.HOST).where(alloc.HOST.c.name == vm.host)).one()
+        from vgpu_ctl.store import tables
+        host = conn.execute(select(tables.HOST).where(tables.HOST.c.name == vm.host)).one()
     return next(d.active for d in ctl.hosts.get(host).list_domains() if d.uuid == vm.id)
 
 

@@ -1,4 +1,5 @@
-"""Claiming and releasing placements in the store: candidate queries and conditional updates.
+"""Claiming and releasing placements: candidate pages turned into host views, charges and the GPU and device
+writes of a claim, through the store (store/candidate_pages.py, store/candidates.py, store/charges.py).
 
 All statements run on one connection inside the caller's transaction. Every change of a GPU's occupancy is
 a compare-and-set on its `version`, and every change of usage a conditional UPDATE, so concurrent claims by
@@ -15,35 +16,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    Float,
-    Integer,
-    and_,
-    bindparam,
-    cast,
-    exists,
-    func,
-    literal,
-    null,
-    or_,
-    select,
-)
-from sqlalchemy.engine import Connection
-
-from vgpu_ctl.catalog import Catalog, ProfileKind
-from vgpu_ctl.core.geometry import (
-    Mode,
-    Occupancy,
-    decode_layout,
-    encode_layout,
-    fit_mask,
-    geometry_for,
-    profile_bit,
-    supported_modes,
-)
+from vgpu_ctl.catalog import Catalog
+from vgpu_ctl.core.geometry import Occupancy, decode_layout, encode_layout, fit_mask, geometry_for
+from vgpu_ctl.core.placeables import Placeable as Placeable
+from vgpu_ctl.core.placeables import modes_for as modes_for
+from vgpu_ctl.core.placeables import placeables as placeables
 from vgpu_ctl.core.placement import (
     CandidateOrder,
     GpuView,
@@ -53,39 +32,22 @@ from vgpu_ctl.core.placement import (
     host_rank,
 )
 from vgpu_ctl.errors import QuotaExceeded
-from vgpu_ctl.service.ports import STORE
+from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.candidate_pages import CandidateRow as CandidateRow
+from vgpu_ctl.store.candidate_pages import PageBounds
 from vgpu_ctl.store.candidates import GPU_STATE_COLUMNS as GPU_STATE_COLUMNS
-from vgpu_ctl.store.prepared import Prepared
-
-# Re-exported for the modules that still take their table handles from here (until their SQL moves too).
-from vgpu_ctl.store.tables import DEVICE as DEVICE
-from vgpu_ctl.store.tables import GPU as GPU
-from vgpu_ctl.store.tables import HOST as HOST
-from vgpu_ctl.store.tables import HOST_FIT as HOST_FIT
-from vgpu_ctl.store.tables import SCOPED as SCOPED
-from vgpu_ctl.store.tables import TENANT as TENANT
 
 PAGE = 16  # GPUs per single-GPU candidate page
 # Hosts per whole-host candidate page (each with all its GPUs in the pool). On the openb store replay (seed 42) the
 # gap to the pure policy moves by about 0.1 point with the page's make-up, not steadily with its size; with pack's
-# pages widest first (`_widest_order`), gpuspec33n/mig and default/mig gave -0.07/-0.28 with 4 hosts, -0.07/-0.10
-# with 6 and -0.04/-0.06 with 8. A single-GPU pack request plans over these hosts: at 10k GPUs one stream ran 195/s
-# with 6 against 140/s with 8 (and 168/s for fullest-first pages of 8).
+# pages widest first (store/candidate_pages.py), gpuspec33n/mig and default/mig gave -0.07/-0.28 with 4 hosts,
+# -0.07/-0.10 with 6 and -0.04/-0.06 with 8. A single-GPU pack request plans over these hosts: at 10k GPUs one
+# stream ran 195/s with 6 against 140/s with 8 (and 168/s for fullest-first pages of 8).
 HOST_PAGE = 6
 
 
 class ClaimConflict(Exception):
     """Another claim changed a GPU or host between reading and writing: retry."""
-
-
-def modes_for(kind: ProfileKind) -> tuple[str, ...]:
-    """The GPU modes in which a profile of this kind can be placed."""
-    return {
-        ProfileKind.VGPU: (Mode.VGPU_EQUAL.value, Mode.VGPU_MIXED.value),
-        ProfileKind.MIG: (Mode.MIG.value,),
-        ProfileKind.MIG_VGPU: (Mode.MIG.value,),
-        ProfileKind.PASSTHROUGH: (Mode.PASSTHROUGH.value,),
-    }[kind]
 
 
 def occupancy_of(catalog: Catalog, row: Mapping[Any, Any]) -> Occupancy:
@@ -104,121 +66,10 @@ def _occupancy(catalog: Catalog, model: str, mode: str, mig_layout: str, layout:
     return Occupancy(geom, decode_layout(layout), pinned_type, fixed)
 
 
-@dataclass(frozen=True, slots=True)
-class Placeable:
-    """GPUs that can hold a profile: their model and mode, the profile's size on that axis, and its bit in
-    the GPUs' fit masks."""
-
-    model: str
-    mode: str
-    size: int
-    bit: int
-
-
-@lru_cache(maxsize=1024)
-def placeables(catalog: Catalog, profiles: frozenset[str]) -> tuple[Placeable, ...]:
-    """One entry per (model, mode) that offers one of the profiles, with that profile's size and bit."""
-    out = []
-    for name in sorted(profiles):
-        for model in catalog.models_offering(name):
-            p = catalog.profile(model, name)
-            assert p is not None
-            for mode in modes_for(p.kind):
-                if mode not in supported_modes(catalog, model):
-                    continue  # e.g. T4 and V100 have no mixed-size mode
-                geom = geometry_for(catalog, model, mode)
-                shape = geom.shape(name)
-                if shape is not None:
-                    out.append(Placeable(model, mode, shape.size, profile_bit(geom, name)))
-    return tuple(out)
-
-
-def _can_take(model: Any, mode: Any, size: Any, bit: Any) -> Any:
-    """SQL condition: a GPU of this model and mode with room for a profile of this size and fit-mask bit (the mask
-    also rules out an equal-size GPU holding or pinned to another type)."""
-    return and_(GPU.c.model == model, GPU.c.mode == mode, GPU.c.free_units >= size, GPU.c.fits.op("&")(bit) != 0)
-
-
-# _can_take with the Placeable bound at execution (c_model, c_mode, c_size, c_bit).
-_GPU_MATCH = _can_take(bindparam("c_model"), bindparam("c_mode"), bindparam("c_size", type_=Integer),
-                       bindparam("c_bit", type_=BigInteger))
-
-
-def _match_params(c: Placeable) -> dict[str, Any]:
-    return {"c_model": c.model, "c_mode": c.mode, "c_size": c.size, "c_bit": c.bit}
-
-
-@lru_cache(maxsize=1024)
-def _gpu_filter_for(catalog: Catalog, profiles: frozenset[str]) -> Any:
-    """SQL condition: a GPU that can take one of the profiles now (the OR over their placeables)."""
-    clauses = [_can_take(c.model, c.mode, c.size, literal(c.bit, BigInteger)) for c in placeables(catalog, profiles)]
-    return or_(*clauses) if clauses else literal(False)
-
-
-def pool_offers(conn: Connection, catalog: Catalog, pool_id: int, profile: str) -> bool:
+def pool_offers(conn: Tx, catalog: Catalog, pool_id: int, profile: str) -> bool:
     """True when some GPU of the pool, by its model and mode, can hold `profile` (indexed lookups)."""
     return any(STORE.candidates.pool_has(conn, pool_id, c.model, c.mode)
                for c in placeables(catalog, frozenset((profile,))))
-
-
-# The host condition of a request, its sizes bound at execution (req_vcpus, req_memory_mib).
-_HOST_FILTER = and_(
-    HOST.c.state == "active",
-    HOST.c.used_vcpus + bindparam("req_vcpus", type_=BigInteger) <= HOST.c.vcpus * HOST.c.cpu_overcommit,
-    HOST.c.used_memory_mib + bindparam("req_memory_mib", type_=BigInteger)
-    <= HOST.c.memory_mib * HOST.c.memory_overcommit,
-)
-
-
-_GPU_COLS = (GPU.c.id, GPU.c.host_id, GPU.c.pci_address, GPU.c.model, GPU.c.mode, GPU.c.pool_id,
-             GPU.c.pinned_type, GPU.c.mig_layout, GPU.c.layout, GPU.c.version, GPU.c.free_units)
-_HOST_COLS = (HOST.c.id, HOST.c.name, HOST.c.vgpu_backing, HOST.c.driver, HOST.c.vcpus, HOST.c.memory_mib,
-              HOST.c.cpu_overcommit,
-              HOST.c.memory_overcommit, HOST.c.used_vcpus, HOST.c.used_memory_mib, HOST.c.state,
-              HOST.c.labels)
-
-
-class CandidateRow(NamedTuple):
-    """A candidate GPU with its host's columns (a row of the candidate queries)."""
-
-    id: int
-    host_id: int
-    pci_address: str
-    model: str
-    mode: str
-    pool_id: int | None
-    pinned_type: str | None
-    mig_layout: str
-    layout: str
-    version: int
-    free_units: int
-    host_name: str
-    vgpu_backing: str
-    driver: str
-    vcpus: int
-    memory_mib: int
-    cpu_overcommit: float
-    memory_overcommit: float
-    used_vcpus: int
-    used_memory_mib: int
-    state: str
-    labels: Any = None  # read only for requests with labels
-
-
-# The GPU columns, then its host's (`_HOST_COLS` less the id, the name labelled), in CandidateRow's order.
-_CANDIDATE_COLS = (*_GPU_COLS, HOST.c.name.label("host_name"), *_HOST_COLS[2:])
-_NO_LABELS = (*_CANDIDATE_COLS[:-1], null().label("labels"))
-
-
-def _order(order: CandidateOrder) -> list[Any]:
-    # Only columns of the gpu_candidates index (which ends in the GPU id): the engine then reads the first page
-    # straight from the index instead of sorting every GPU with the same free space. GPU ids follow the
-    # order hosts were declared in, which is the fixed host order placement breaks ties by.
-    if order is CandidateOrder.EMPTIEST_FIRST:
-        return [GPU.c.free_units.desc(), GPU.c.id]
-    if order is CandidateOrder.HOST_ORDER:
-        return [GPU.c.id]
-    return [GPU.c.free_units, GPU.c.id]
 
 
 def order_rank(order: CandidateOrder, free_units: int, gpu_id: int) -> tuple[int, ...]:
@@ -235,35 +86,10 @@ def _order_key(order: CandidateOrder) -> Callable[[CandidateRow], tuple[int, ...
     return lambda r: order_rank(order, r.free_units, r.id)
 
 
-def _host_order(order: CandidateOrder, free: Any, host_id: Any) -> list[Any]:
-    """`_order` for whole hosts, by the free units of their matching GPUs (`free`), then their id."""
-    if order is CandidateOrder.EMPTIEST_FIRST:
-        return [free.desc(), host_id]
-    if order is CandidateOrder.HOST_ORDER:
-        return [host_id]
-    return [free, host_id]
-
-
 def _host_key(order: CandidateOrder, widest: bool = False) -> Callable[[int, float, int], tuple[float, ...]]:
-    """`_host_order` (`widest`: `_widest_order`) in Python, on (width, free units, host id): the core's
+    """The store's order of whole hosts (`widest`: pack's) in Python, on (width, free units, host id): the core's
     `host_rank`, which the in-memory allocator ranks by too."""
     return functools.partial(host_rank, order, widest)
-
-
-def _mean_free(hf: Any) -> Any:
-    """SQL: the mean free units of a summary's GPUs that can take its profile (its rows have `n_fit > 0`)."""
-    return cast(hf.c.free_units, Float).op("/")(hf.c.n_fit)  # as the index has it: SQL would cast n_fit
-
-
-def _widest_order(hf: Any) -> list[Any]:
-    """The order of whole-host pages for a policy with a host cost (pack), on host summaries: the widest hosts
-    first (most GPUs in the pool), then the fullest by the mean free units of their GPUs that can take the profile,
-    then host order (the `host_fit_by_width` index). pack prices the room a placement takes by the typical tasks a
-    host could ever run, more on a wider host (it also runs the tasks that ask for more GPUs), and strands least on
-    a full GPU, so its choice is near the front of this order; fullest first by the free units of the host's GPUs
-    together, it was often pages behind (on the openb gpuspec33n/mig replay, seed 42: 8-GPU V100 hosts behind every
-    2-GPU one)."""
-    return [hf.c.gpus.desc(), _mean_free(hf), hf.c.host_id]
 
 
 @dataclass
@@ -282,7 +108,7 @@ def _labels(raw: Any) -> dict[str, str]:
     return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
-def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
+def _views(conn: Tx, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
            pool_names: Mapping[int, str], whole: bool = False,
            lacked: Mapping[int, frozenset[str]] | None = None) -> Candidates:
     """Candidate views of the GPU rows' hosts, in host order (`whole`: the rows are all of each host's GPUs in
@@ -313,91 +139,33 @@ def _views(conn: Connection, catalog: Catalog, rows: Iterable[CandidateRow], ant
     return out
 
 
-def _grouped(conn: Connection, anti_affinity: str | None, host_ids: Sequence[int]) -> set[int]:
+def _grouped(conn: Tx, anti_affinity: str | None, host_ids: Sequence[int]) -> set[int]:
     """Which of the hosts already run a VM of the anti-affinity group."""
     if not anti_affinity or not host_ids:
         return set()
     return hosts_of_group(conn, anti_affinity) & set(host_ids)
 
 
-_IN_POOL = GPU.c.pool_id == bindparam("pool_id", type_=Integer)
-
-
-@lru_cache(maxsize=16)
-def _page_query(order: CandidateOrder, labels: bool) -> Prepared:
-    """Single GPU: the first page_limit GPUs of one placeable, in the policy's candidate order (a range of the
-    gpu_candidates index). Bound at execution: pool_id, the placeable, req_vcpus, req_memory_mib,
-    page_limit."""
-    return Prepared(select(*(_CANDIDATE_COLS if labels else _NO_LABELS)).join(HOST, HOST.c.id == GPU.c.host_id)
-                    .where(_IN_POOL, _GPU_MATCH, _HOST_FILTER).order_by(*_order(order))
-                    .limit(bindparam("page_limit", type_=Integer)))
-
-
-@lru_cache(maxsize=1024)
-def _hosts_query(catalog: Catalog, profiles: frozenset[str], order: CandidateOrder, labels: bool) -> Prepared:
-    """Multi-GPU, several profiles: the GPUs of a page of hosts with enough GPUs that can take one of them,
-    the hosts in the policy's candidate order of their free units (host order for HOST_ORDER); it groups every
-    matching GPU of the pool. Bound at execution: pool_id, req_vcpus, req_memory_mib, page_limit, page_offset,
-    ndev."""
-    cols = _CANDIDATE_COLS if labels else _NO_LABELS
-    limit = bindparam("page_limit", type_=Integer)
-    where = and_(_IN_POOL, _gpu_filter_for(catalog, profiles), _HOST_FILTER)
-    free = func.sum(GPU.c.free_units)
-    hosts_page = (select(GPU.c.host_id).join(HOST, HOST.c.id == GPU.c.host_id).where(where)
-                  .group_by(GPU.c.host_id).having(func.count() >= bindparam("ndev", type_=Integer))
-                  .order_by(*_host_order(order, free, GPU.c.host_id))
-                  .limit(limit).offset(bindparam("page_offset", type_=Integer)))
-    return Prepared(select(*cols).join(HOST, HOST.c.id == GPU.c.host_id)
-                    .where(where, GPU.c.host_id.in_(hosts_page.scalar_subquery())))
-
-
-@lru_cache(maxsize=16)
-def _summary_query(order: CandidateOrder, labels: bool, widest: bool) -> Prepared:
-    """Whole hosts by their summaries: every GPU of the pool on the first page_limit hosts (from page_offset)
-    that have at least `ndev` GPUs of one placeable that can take its profile now, in the policy's candidate
-    order of those GPUs' free units (`widest`: the widest hosts first, see `_widest_order`), with the order's
-    key (`host_width`, `host_key`). It reads one `host_fit` row per candidate host (a range of a partial index)
-    and the page's GPUs, never the rest of the pool. Bound at execution: pool_id, the placeable, ndev,
-    req_vcpus, req_memory_mib, page_limit, page_offset."""
-    hf = HOST_FIT
-    free = _mean_free(hf) if widest else hf.c.free_units
-    ranked = _widest_order(hf) if widest else _host_order(order, free, hf.c.host_id)
-    page = (select(hf.c.host_id, hf.c.gpus, free.label("free")).join(HOST, HOST.c.id == hf.c.host_id)
-            .where(hf.c.pool_id == bindparam("pool_id", type_=Integer), hf.c.model == bindparam("c_model"),
-                   hf.c.mode == bindparam("c_mode"), hf.c.bitval == bindparam("c_bit", type_=BigInteger),
-                   hf.c.n_fit > 0, hf.c.n_fit >= bindparam("ndev", type_=Integer), _HOST_FILTER)
-            .order_by(*ranked)
-            .limit(bindparam("page_limit", type_=Integer)).offset(bindparam("page_offset", type_=Integer))
-            .subquery("page"))
-    cols = _CANDIDATE_COLS if labels else _NO_LABELS
-    return Prepared(select(*cols, page.c.gpus.label("host_width"), page.c.free.label("host_key"))
-                    .select_from(page.join(GPU, and_(GPU.c.host_id == page.c.host_id, _IN_POOL))
-                                 .join(HOST, HOST.c.id == GPU.c.host_id)))
-
-
-def _host_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
+def _host_pages(conn: Tx, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
                 pool_names: Mapping[int, str], targets: Sequence[Placeable], widest: bool) -> Iterator[Candidates]:
     """Pages of whole candidate hosts for a request whose vGPUs all have one profile, from the hosts'
     summaries: hosts with as many GPUs of one placeable as the request has vGPUs, best first by the policy's
-    order (`widest`: for a policy with a host cost, `_widest_order`), merged over the placeables as the
+    order (`widest`: for a policy with a host cost, pack's), merged over the placeables as the
     single-GPU pages are."""
     labels = bool(req.labels)
-    params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib,
-                              "ndev": len(req.profiles)}
     key = _host_key(order, widest)
     offset = 0
     while True:
         by_host: dict[int, list[CandidateRow]] = {}
         keys: dict[int, tuple[float, ...]] = {}
-        limits = {"page_limit": HOST_PAGE, "page_offset": offset} if len(targets) == 1 else \
-            {"page_limit": offset + HOST_PAGE, "page_offset": 0}
+        bounds = PageBounds(pool_id, req.vcpus, req.memory_mib, HOST_PAGE, offset, len(req.profiles)) \
+            if len(targets) == 1 else PageBounds(pool_id, req.vcpus, req.memory_mib, offset + HOST_PAGE, 0,
+                                                 len(req.profiles))
         for c in targets:  # a host found through two placeables comes with the same GPUs twice: kept once
             found: dict[int, list[CandidateRow]] = {}
-            for t in _summary_query(order, labels, widest).run(conn, {**params, **limits,
-                                                                      **_match_params(c)}).fetchall():
-                row = CandidateRow._make(t[:-2])
+            for row, width, host_key in STORE.candidate_pages.summary_page(conn, order, labels, widest, c, bounds):
                 found.setdefault(row.host_id, []).append(row)
-                k = key(t[-2], t[-1], row.host_id)
+                k = key(width, host_key, row.host_id)
                 keys[row.host_id] = min(keys.get(row.host_id, k), k)
             for hid, rows in found.items():
                 by_host.setdefault(hid, rows)
@@ -411,13 +179,13 @@ def _host_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_
         offset += HOST_PAGE
 
 
-def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int,
+def candidate_pages(conn: Tx, catalog: Catalog, req: PlacementRequest, pool_id: int,
                     order: CandidateOrder, pool_names: Mapping[int, str],
                     whole_hosts: bool = False) -> Iterable[Candidates]:
     """Pages of candidate hosts in a pool, best first by the policy's candidate order; each page is a few
     GPUs or hosts. A request for several vGPUs of one profile, or any request with `whole_hosts` (a policy
     that scores whole hosts), gets whole hosts from their summaries (`host_fit`); for such a policy, widest
-    first (`_widest_order`)."""
+    first."""
     ndev = len(req.profiles)
     if not ndev:
         yield from _bare_host_pages(conn, req, pool_id, order)
@@ -434,13 +202,12 @@ def candidate_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, p
     yield from _gpu_pages(conn, catalog, req, pool_id, order, pool_names, targets)
 
 
-def _gpu_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
+def _gpu_pages(conn: Tx, catalog: Catalog, req: PlacementRequest, pool_id: int, order: CandidateOrder,
                pool_names: Mapping[int, str], targets: Sequence[Placeable]) -> Iterator[Candidates]:
     """Pages read from the GPU rows: the first GPUs of each placeable for one vGPU, the grouped hosts for
     several."""
     ndev = len(req.profiles)
     labels = bool(req.labels)
-    params: dict[str, Any] = {"pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib}
     order_key = _order_key(order)
     offset = 0
     rows: list[CandidateRow]
@@ -448,18 +215,18 @@ def _gpu_pages(conn: Connection, catalog: Catalog, req: PlacementRequest, pool_i
         if ndev == 1:
             # Rows offset .. offset+PAGE of the merged order of the placeables' ranges (the same rows and
             # order as their OR, which SQLite can only answer by reading and sorting every matching GPU).
-            params["page_limit"] = offset + PAGE
+            bounds = PageBounds(pool_id, req.vcpus, req.memory_mib, offset + PAGE)
             merged: dict[int, CandidateRow] = {}
             for c in targets:
-                for t in _page_query(order, labels).run(conn, {**params, **_match_params(c)}).fetchall():
-                    merged.setdefault(t[0], CandidateRow._make(t))
+                for row in STORE.candidate_pages.gpu_page(conn, order, labels, c, bounds):
+                    merged.setdefault(row.id, row)
             rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(targets) > 1 \
                 else list(merged.values())[offset:]
             step = PAGE
         else:
-            q = _hosts_query(catalog, frozenset(req.profiles), order, labels)
-            rows = [CandidateRow._make(t) for t in q.run(conn, {**params, "page_limit": HOST_PAGE,
-                                                                  "page_offset": offset, "ndev": ndev})]
+            rows = STORE.candidate_pages.grouped_host_page(
+                conn, order, labels, tuple(targets), PageBounds(pool_id, req.vcpus, req.memory_mib, HOST_PAGE, offset,
+                                                                ndev))
             step = HOST_PAGE
         if not rows:
             return
@@ -490,29 +257,14 @@ def distinct_states(hosts: Sequence[HostView], req: PlacementRequest) -> list[Ho
     return out
 
 
-@lru_cache(maxsize=8)
-def _bare_hosts_query(order: CandidateOrder, labels: bool) -> Prepared:
-    """A request without vGPUs: a page of the hosts of the pool (those holding one of its GPUs) with room for
-    its vCPUs and memory, in the policy's order of their free vCPUs and memory (`core.placement.host_score`'s).
-    Bound at execution: pool_id, req_vcpus, req_memory_mib, page_limit, page_offset."""
-    free_vcpus = HOST.c.vcpus * HOST.c.cpu_overcommit - HOST.c.used_vcpus
-    free_memory = HOST.c.memory_mib * HOST.c.memory_overcommit - HOST.c.used_memory_mib
-    keys = {CandidateOrder.FULLEST_FIRST: [free_vcpus, free_memory, HOST.c.id],
-            CandidateOrder.EMPTIEST_FIRST: [free_vcpus.desc(), free_memory.desc(), HOST.c.id]}
-    cols = [*_HOST_COLS[:-1], HOST.c.labels if labels else null().label("labels")]
-    return Prepared(select(*cols).where(_HOST_FILTER, exists(select(GPU.c.id).where(
-        GPU.c.host_id == HOST.c.id, _IN_POOL))).order_by(*keys.get(order, [HOST.c.id]))
-        .limit(bindparam("page_limit", type_=Integer)).offset(bindparam("page_offset", type_=Integer)))
-
-
-def _bare_host_pages(conn: Connection, req: PlacementRequest, pool_id: int,
+def _bare_host_pages(conn: Tx, req: PlacementRequest, pool_id: int,
                      order: CandidateOrder) -> Iterator[Candidates]:
-    """Pages of candidate hosts, without GPUs, for a request without vGPUs (see `_bare_hosts_query`)."""
+    """Pages of candidate hosts, without GPUs, for a request without vGPUs: the pool's hosts with room for it,
+    in the policy's order of their free vCPUs and memory."""
     offset = 0
     while True:
-        rows = _bare_hosts_query(order, bool(req.labels)).run(conn, {
-            "pool_id": pool_id, "req_vcpus": req.vcpus, "req_memory_mib": req.memory_mib,
-            "page_limit": HOST_PAGE, "page_offset": offset}).fetchall()
+        rows = STORE.candidate_pages.bare_host_page(conn, order, bool(req.labels),
+                                                    PageBounds(pool_id, req.vcpus, req.memory_mib, HOST_PAGE, offset))
         if not rows:
             return
         grouped = _grouped(conn, req.anti_affinity, [r[0] for r in rows])
@@ -529,19 +281,16 @@ def _bare_host_pages(conn: Connection, req: PlacementRequest, pool_id: int,
         offset += HOST_PAGE
 
 
-def all_candidates(conn: Connection, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
+def all_candidates(conn: Tx, catalog: Catalog, pool_ids: Sequence[int], profiles: Sequence[str],
                    anti_affinity: str | None, pool_names: Mapping[int, str],
                    host_ids: Sequence[int] | None = None) -> Candidates:
     """Every GPU of the pools (on `host_ids` only, if given) whose model offers a profile (any mode; no
     profiles: every GPU), for explaining a refusal or loading the allocator's memory; each GPU's view says
     which profiles its host lacks type ids for."""
     models = {m for p in set(profiles) for m in catalog.models_offering(p)}
-    where = [GPU.c.pool_id.in_(list(pool_ids))] + ([GPU.c.host_id.in_(list(host_ids))] if host_ids is not None else [])
-    rows = [CandidateRow._make(r) for r in conn.execute(select(*_CANDIDATE_COLS).join(HOST, HOST.c.id == GPU.c.host_id)
-                                                   .where(*where))]
+    rows = STORE.candidate_pages.pool_gpus(conn, pool_ids, host_ids)
     rows = [r for r in rows if r.model in models] or rows
-    lacked = {gid: frozenset(names or ()) for gid, names in conn.execute(
-        select(GPU.c.id, GPU.c.lacked_types).where(*where, GPU.c.lacks != 0))}
+    lacked = STORE.candidate_pages.lacked_types(conn, pool_ids, host_ids)
     return _views(conn, catalog, rows, anti_affinity, pool_names, lacked=lacked)
 
 
@@ -553,7 +302,7 @@ class TenantCharge(Enum):
     CHARGED_SCOPED = "charged_scoped"  # charged; the tenant has pool-scoped limits, to be charged too
 
 
-def charge_tenant(conn: Connection, tenant_id: int, delta: Mapping[str, int]) -> TenantCharge:
+def charge_tenant(conn: Tx, tenant_id: int, delta: Mapping[str, int]) -> TenantCharge:
     """Add `delta` to the tenant's global usage if no limit is passed; whether it did and whether the tenant
     has scoped limits (read under the row lock this update takes)."""
     scoped = STORE.charges.charge_tenant(conn, tenant_id, delta)
@@ -566,7 +315,7 @@ GUARANTEED = ("vms", "vgpus", "framebuffer_mib", "vcpus", "memory_mib")
 """The resources a quota may guarantee part of (globally and per pool): the base ones, not profiles."""
 
 
-def charge_scoped(conn: Connection, tenant_id: int,
+def charge_scoped(conn: Tx, tenant_id: int,
                   charges: Mapping[tuple[str, str], int]) -> list[tuple[str, str]]:
     """Add to each scoped limit row that exists; returns the (scope, resource) pairs whose limit would
     pass."""
@@ -578,13 +327,13 @@ def charge_scoped(conn: Connection, tenant_id: int,
     return failed
 
 
-def uncharge(conn: Connection, tenant_id: int, delta: Mapping[str, int],
+def uncharge(conn: Tx, tenant_id: int, delta: Mapping[str, int],
              scoped: Mapping[tuple[str, str], int]) -> None:
     """Give back what a VM held (global usage and every scoped row that exists)."""
     STORE.charges.uncharge(conn, tenant_id, delta, scoped)
 
 
-def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[str, int],
+def quota_refusal(conn: Tx, tenant_id: int, tenant: str, delta: Mapping[str, int],
                   scoped_failed: Sequence[tuple[str, str]],
                   charges: Mapping[tuple[str, str], int]) -> QuotaExceeded:
     """The error for a request that would pass a limit, naming each limit with its usage and the request."""
@@ -605,24 +354,24 @@ def quota_refusal(conn: Connection, tenant_id: int, tenant: str, delta: Mapping[
     return QuotaExceeded(f"tenant {tenant!r} is over quota: {text}", reasons=reasons)
 
 
-def claim_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
+def claim_host(conn: Tx, host_id: int, vcpus: int, memory_mib: int) -> None:
     """Take vCPUs and memory on the host if it is active and has room (overcommit applied)."""
     if not STORE.charges.claim_host(conn, host_id, vcpus, memory_mib):
         raise ClaimConflict(f"host {host_id} changed")
 
 
-def hosts_of_group(conn: Connection, group: str) -> set[int]:
+def hosts_of_group(conn: Tx, group: str) -> set[int]:
     """The hosts a VM of anti-affinity `group` is on (a prepared read: a claim's read takes no write lock)."""
     return STORE.charges.hosts_of_group(conn, group)
 
 
-def group_on_host(conn: Connection, group: str, host_id: int) -> bool:
+def group_on_host(conn: Tx, group: str, host_id: int) -> bool:
     """Whether a VM of anti-affinity `group` is on the host (asked after `claim_host` locked the host row, so
     a claim committed meanwhile is seen)."""
     return STORE.charges.group_on_host(conn, group, host_id)
 
 
-def release_host(conn: Connection, host_id: int, vcpus: int, memory_mib: int) -> None:
+def release_host(conn: Tx, host_id: int, vcpus: int, memory_mib: int) -> None:
     """Give back a VM's vCPUs and memory."""
     STORE.charges.release_host(conn, host_id, vcpus, memory_mib)
 
@@ -634,13 +383,13 @@ def gpu_state(occ: Occupancy) -> dict[str, Any]:
             "device_count": len(occ.slots), "fits": fit_mask(occ)}
 
 
-def write_gpu(conn: Connection, gpu_id: int, version: int, occ: Occupancy) -> None:
+def write_gpu(conn: Tx, gpu_id: int, version: int, occ: Occupancy) -> None:
     """Store a GPU's new occupancy if nobody changed it since `version` was read."""
     if not STORE.candidates.write_gpu(conn, gpu_id, version, gpu_state(occ)):
         raise ClaimConflict(f"gpu {gpu_id} changed")
 
 
-def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: PlacementPlan,
+def insert_devices(conn: Tx, catalog: Catalog, vm_id: str, plan: PlacementPlan,
                    backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
     """Insert a device row per planned vGPU; the unique position and the overlap trigger guard them."""
     rows = []
@@ -656,7 +405,7 @@ def insert_devices(conn: Connection, catalog: Catalog, vm_id: str, plan: Placeme
     return rows
 
 
-def free_devices(conn: Connection, catalog: Catalog, devices: Sequence[Mapping[str, Any]]) -> None:
+def free_devices(conn: Tx, catalog: Catalog, devices: Sequence[Mapping[str, Any]]) -> None:
     """Delete device rows and take their slots off their GPUs (compare-and-set, retried on conflict)."""
     for gpu_id in sorted({d["gpu_id"] for d in devices}):  # id order, as claims lock them
         starts = {d["start"] for d in devices if d["gpu_id"] == gpu_id}

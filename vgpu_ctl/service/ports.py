@@ -10,6 +10,9 @@ from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
+from vgpu_ctl.core.placeables import Placeable
+from vgpu_ctl.core.placement import CandidateOrder
+from vgpu_ctl.store.candidate_pages import BareHostRow, CandidateRow, PageBounds, SummaryRow
 from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
 from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
@@ -89,6 +92,33 @@ class EventStore(Protocol):
 
     def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
         """Events, oldest first, of a tenant and since a time when given."""
+
+
+class CandidatePageStore(Protocol):
+    """Placement's candidate pages: GPUs or whole hosts of a pool that can take a request now, in a policy's
+    order, each page its own rows' cost."""
+
+    def gpu_page(self, tx: Tx, order: CandidateOrder, labels: bool, target: Placeable,
+                 bounds: PageBounds) -> list[CandidateRow]:
+        """The first GPUs of the pool that can take the placeable, on hosts with room, in the policy's order."""
+
+    def grouped_host_page(self, tx: Tx, order: CandidateOrder, labels: bool, targets: tuple[Placeable, ...],
+                          bounds: PageBounds) -> list[CandidateRow]:
+        """The matching GPUs of a page of hosts with enough GPUs able to take one of the placeables."""
+
+    def summary_page(self, tx: Tx, order: CandidateOrder, labels: bool, widest: bool, target: Placeable,
+                     bounds: PageBounds) -> list[SummaryRow]:
+        """Every GPU in the pool of a page of whole hosts, from their summaries, with each host's width and key."""
+
+    def bare_host_page(self, tx: Tx, order: CandidateOrder, labels: bool, bounds: PageBounds) -> list[BareHostRow]:
+        """A page of the pool's hosts with room for a request without vGPUs."""
+
+    def pool_gpus(self, tx: Tx, pool_ids: Sequence[int], host_ids: Sequence[int] | None = None) -> list[CandidateRow]:
+        """Every GPU of the pools (on `host_ids` only, if given) with its host's columns."""
+
+    def lacked_types(self, tx: Tx, pool_ids: Sequence[int],
+                     host_ids: Sequence[int] | None = None) -> dict[int, frozenset[str]]:
+        """By GPU id, the profiles its host lacks type ids for."""
 
 
 class CandidateStore(Protocol):
@@ -843,6 +873,10 @@ class Store(Protocol):
         """A claim's GPU and device rows."""
 
     @property
+    def candidate_pages(self) -> CandidatePageStore:
+        """Placement's candidate pages."""
+
+    @property
     def charges(self) -> ChargeStore:
         """A claim's charges."""
 
@@ -922,7 +956,8 @@ class Store(Protocol):
 STORE: Store = SqlStore()
 
 __all__ = [
-    "STORE", "CandidateStore", "ChargeStore", "ClaimStore", "EventStore", "FitMaskStore", "FleetStore",
+    "STORE", "CandidatePageStore", "CandidateStore", "ChargeStore", "ClaimStore", "EventStore", "FitMaskStore",
+    "FleetStore",
     "GpuLoadStore", "HostStore", "HostTypeStore",
     "IdempotencyStore", "InventoryStore", "LeaderLeaseStore", "MoveStore", "OperationStore", "QuotaStore",
     "ReportStore", "SchedulingStore", "Store", "TenantStore", "TokenStore", "Tx", "UtilizationStore", "VmSchedStore",

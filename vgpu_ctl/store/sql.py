@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Final
 
 from vgpu_ctl.store import (
+    candidate_pages,
     candidates,
     charges,
     claims,
@@ -38,6 +39,7 @@ class SqlStore:
 
     tokens: Final = tokens
     candidates: Final = candidates
+    candidate_pages: Final = candidate_pages
     charges: Final = charges
     claims: Final = claims
     events: Final = events
