@@ -33,8 +33,8 @@ from vgpu_ctl.core.placement import (
 )
 from vgpu_ctl.errors import QuotaExceeded
 from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.candidate_pages import BareHostRow, PageBounds
 from vgpu_ctl.store.candidate_pages import CandidateRow as CandidateRow
-from vgpu_ctl.store.candidate_pages import PageBounds
 from vgpu_ctl.store.candidates import GPU_STATE_COLUMNS as GPU_STATE_COLUMNS
 
 PAGE = 16  # GPUs per single-GPU candidate page
@@ -108,6 +108,19 @@ def _labels(raw: Any) -> dict[str, str]:
     return json.loads(raw) if isinstance(raw, str) else dict(raw or {})
 
 
+def _add_host(out: Candidates, hid: int, name: str, h: CandidateRow | BareHostRow, gpus: tuple[GpuView, ...],
+              anti_affinity: str | None, grouped: set[int], gpu_count: int | None = None) -> None:
+    """Add the view of host `hid` (its capacity and labels from the row `h`, a candidate GPU's or a bare host's)
+    with its GPUs' views, and its backing, to `out`."""
+    out.backings[hid] = h.vgpu_backing
+    out.simulated[hid] = h.driver == "simulated"
+    out.hosts.append(HostView(
+        hid, name, h.vcpus * h.cpu_overcommit - h.used_vcpus, h.memory_mib * h.memory_overcommit - h.used_memory_mib,
+        gpus, h.state, _labels(h.labels),
+        frozenset({anti_affinity}) if anti_affinity and hid in grouped else frozenset(),
+        order=hid, gpu_count=gpu_count))
+
+
 def _views(conn: Tx, catalog: Catalog, rows: Iterable[CandidateRow], anti_affinity: str | None,
            pool_names: Mapping[int, str], whole: bool = False,
            lacked: Mapping[int, frozenset[str]] | None = None) -> Candidates:
@@ -129,13 +142,7 @@ def _views(conn: Tx, catalog: Catalog, rows: Iterable[CandidateRow], anti_affini
             out.versions[r.id] = r.version
             out.pcis[r.id] = r.pci_address
         h = by_host[hid][0]
-        out.backings[hid] = h.vgpu_backing
-        out.simulated[hid] = h.driver == "simulated"
-        out.hosts.append(HostView(
-            hid, h.host_name, h.vcpus * h.cpu_overcommit - h.used_vcpus,
-            h.memory_mib * h.memory_overcommit - h.used_memory_mib, tuple(gpus), h.state,
-            _labels(h.labels), frozenset({anti_affinity}) if hid in grouped and anti_affinity else frozenset(),
-            order=hid, gpu_count=len(gpus) if whole else None))
+        _add_host(out, hid, h.host_name, h, tuple(gpus), anti_affinity, grouped, len(gpus) if whole else None)
     return out
 
 
@@ -267,16 +274,10 @@ def _bare_host_pages(conn: Tx, req: PlacementRequest, pool_id: int,
                                                     PageBounds(pool_id, req.vcpus, req.memory_mib, HOST_PAGE, offset))
         if not rows:
             return
-        grouped = _grouped(conn, req.anti_affinity, [r[0] for r in rows])
+        grouped = _grouped(conn, req.anti_affinity, [r.id for r in rows])
         out = Candidates([], {})
-        for hid, name, backing, driver, vcpus, memory, cpu_over, memory_over, used_vcpus, used_memory, state, \
-                labels in rows:
-            out.backings[hid] = backing
-            out.simulated[hid] = driver == "simulated"
-            out.hosts.append(HostView(
-                hid, name, vcpus * cpu_over - used_vcpus, memory * memory_over - used_memory, (), state,
-                _labels(labels), frozenset({req.anti_affinity}) if req.anti_affinity and hid in grouped
-                else frozenset(), order=hid))
+        for r in rows:
+            _add_host(out, r.id, r.name, r, (), req.anti_affinity, grouped)
         yield out
         offset += HOST_PAGE
 
