@@ -129,14 +129,15 @@ def test_an_unwritable_cache_still_lists(tmp_path: Path, monkeypatch: pytest.Mon
     assert listed_profiles() == load_catalog().profiles()
 
 
-def test_profiles_list_imports_neither_rich_nor_the_catalog_schema(tmp_path: Path) -> None:
+@pytest.mark.parametrize("columns", ["80", "120"])  # 80: a classic terminal, and rich's width off a terminal
+def test_profiles_list_imports_neither_rich_nor_the_catalog_schema(tmp_path: Path, columns: str) -> None:
     code = ("import sys, io; from vgpu_ctl.cli.main import app; sys.argv = ['vgpuctl', 'profiles', 'list']\n"
             "out, sys.stdout = sys.stdout, io.StringIO()\n"
             "try: app()\nexcept SystemExit: pass\n"
             "table, sys.stdout = sys.stdout.getvalue(), out\n"
             "print([m for m in ('rich', 'yaml', 'vgpu_ctl.catalog.schema', 'sqlalchemy') if m in sys.modules],"
             " 'A100D-10C' in table and '┃ model' in table)")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "120"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "COLUMNS": columns}
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert "vgpu_ctl.catalog.schema" in first.stdout  # the first run fills the cache from the catalog files
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)

@@ -40,7 +40,8 @@ quota_app = typer.Typer(help="Tenant limits.", no_args_is_help=True)
 @profiles_app.command("list")
 def profiles_list(model: str = typer.Option(None, help="Only this GPU model (e.g. H100-80GB; any case)."),
                   as_json: bool = JSON_OPT, output: Output = OUTPUT_OPT) -> None:
-    """List the profiles each GPU model offers."""
+    """List the profiles each GPU model offers (slices: compute/memory slices of a MIG profile; confirmed: "no"
+    where the catalog's entry is inferred, not captured from NVIDIA's tools or documents)."""
     from vgpu_ctl.cli.catalog_cache import listed_profiles
     fmt = out_format(as_json, output)
     if remote():  # the server's catalog, which its admin may have extended
@@ -52,14 +53,14 @@ def profiles_list(model: str = typer.Option(None, help="Only this GPU model (e.g
         emit(fmt, [p.to_dict() for p in profiles])
         return
     wide = fmt is Output.wide
-    table = PlainTable("model", "profile", "kind", "memory", "max", "slices c/m",
+    table = PlainTable("model", "profile", "kind", "memory", "max", "slices",
                        *(["placements"] if wide else []), "confirmed")
     for p in profiles:
         slices = f"{p.compute_slices}/{p.memory_slices}" if p.compute_slices else ""
         places = p.mixed_placement_ids or p.placements or ()
         extra = [",".join(map(str, places))] if wide else []
         table.add_row(p.model, p.name, str(p.kind), f"{p.framebuffer_mib // 1024}GiB", str(p.max_instances), slices,
-                      *extra, "yes" if p.confirmed else "[yellow]UNCONFIRMED[/]")
+                      *extra, "yes" if p.confirmed else "[yellow]no[/]")
     print_table(table, fmt)
 
 
