@@ -60,7 +60,7 @@ import statistics
 import time
 from bisect import insort
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
@@ -70,6 +70,7 @@ from typing import Any
 from vgpu_ctl.catalog import Catalog, load_catalog
 from vgpu_ctl.core.geometry import Misfit, Occupancy, geometry_for
 from vgpu_ctl.core.placement import (
+    CandidateOrder,
     GpuView,
     HostView,
     PlacementPlan,
@@ -78,11 +79,14 @@ from vgpu_ctl.core.placement import (
     Score,
     TaskShape,
     get_policy,
+    host_rank,
     plan,
     plan_on_host,
 )
 from vgpu_ctl.planning import trace as trace_files
 from vgpu_ctl.planning.trace import MODEL_MAP, Node, Task, mode_of, profile_for
+from vgpu_ctl.service.allocation import HOST_PAGE, distinct_states
+from vgpu_ctl.service.claim import pool_policy
 
 __all__ = ["MODEL_MAP", "Node", "Task", "mode_of", "profile_for"]  # the trace's parsing, shared with the planner
 
@@ -335,6 +339,9 @@ class Replay:
     policy: Policy
     verify: bool = False
     first_model: bool = False  # a user's rule: the task's models by their GPUs in the fleet, the first that fits
+    # The store's cut (with the user's rule): per model, its pool's policy; pack then sees the store's candidate
+    # pages (see `store_pages`), page by page, one host per distinct state, until one has a plan.
+    pool_policies: Mapping[str, Policy] | None = None
     trim: bool = field(init=False)  # show `plan` only the hosts/GPUs that can win (see the module's docstring)
     by_host: bool = field(init=False)  # ... cut by host state: the policy has a host cost
     fleet: Fleet = field(init=False)
@@ -346,7 +353,8 @@ class Replay:
         self.trim = self.policy.name in TRIMMABLE
         self.by_host = self.policy.host_cost is not None
         self.models = tuple(dict.fromkeys(n.model for n in self.nodes if n.gpus))
-        if self.first_model:
+        if self.first_model or self.pool_policies is not None:
+            self.first_model = True
             self.models = preference(self.nodes)
 
     def profile(self, model: str, gpu_milli: int) -> str | None:
@@ -374,6 +382,12 @@ class Replay:
         options = self.requests(task)
         spread = self.policy.name == "spread"
         for model, req in options:
+            if self.pool_policies is not None:
+                cut = self.store_plan(model, req)
+                if cut is not None:
+                    best = ((), cut, req)
+                    break
+                continue
             if not self.trim:
                 hosts = self.fleet.views
             elif self.by_host:
@@ -396,6 +410,39 @@ class Replay:
             return None
         self.fleet.apply(best[1], best[2])
         return best[1]
+
+    def store_pages(self, model: str, req: PlacementRequest) -> Iterator[list[HostView]]:
+        """The store's whole-host candidate pages for `req` in the pool of `model` (allocation's `_host_pages` on
+        the host summaries): hosts with room and at least as many GPUs that can take the profile as it asks for,
+        in `core.placement.host_rank`'s order for pack (widest first, then the fullest by the mean free units of
+        those GPUs, then host order), HOST_PAGE hosts a page."""
+        profile, n = req.profiles[0], len(req.profiles)
+        ranked: list[tuple[tuple[float, ...], int]] = []
+        for (gpus, vcpus, memory), hosts in self.fleet.alike.get(model, {}).items():
+            if vcpus < req.vcpus or memory < req.memory_mib:
+                continue
+            fit = [(occ, k) for occ, k in gpus if occ.misfit(profile) is None]
+            n_fit = sum(k for _, k in fit)
+            if n_fit == 0 or n_fit < n:
+                continue
+            width = sum(k for _, k in gpus)
+            free = sum(occ.free_units * k for occ, k in fit) / n_fit
+            ranked.extend((host_rank(CandidateOrder.FULLEST_FIRST, True, width, free, h), h) for h in hosts)
+        ranked.sort()
+        views = self.fleet.views
+        for i in range(0, len(ranked), HOST_PAGE):
+            yield [views[h] for _, h in ranked[i:i + HOST_PAGE]]
+
+    def store_plan(self, model: str, req: PlacementRequest) -> PlacementPlan | None:
+        """The plan the store's pack finds for `req` in the pool of `model`: its pool policy's plan on the first
+        of `store_pages` that has one, over one host per distinct state (allocation's `distinct_states`)."""
+        assert self.pool_policies is not None
+        policy = self.pool_policies[model]
+        for page in self.store_pages(model, req):
+            found = plan(req, distinct_states(page, req), policy)
+            if found is not None:
+                return found
+        return None
 
     def _check(self, options: Sequence[tuple[str, PlacementRequest]], got: PlacementPlan | None) -> None:
         """Compare with `plan` over every host (the slow, obvious way)."""
@@ -448,7 +495,9 @@ class Job:
     seed: int
     nodes_limit: int | None = None
     verify: bool = False
-    replay: str = "pure"  # or "pure-first" / "store": the user's rule (first model that fits), pure or in the store
+    # or "pure-first" / "store" / "cut": the user's rule (first model that fits), pure, in the store, or the store's
+    # cut in the pure replay
+    replay: str = "pure"
 
 
 @cache
@@ -468,8 +517,14 @@ def run_job(job: Job) -> dict[str, Any]:
             out = measure(seq, capacity, store.place, stop_at_measure=True)
     else:
         demand = demand_mix(catalog, job.mode, nodes, tasks) if job.policy == "pack" else None
+        pools = None
+        if job.replay == "cut":
+            models = preference(nodes)
+            geometries = {m: geometry_for(catalog, m, mode_of(catalog, m, job.mode)) for m in models}
+            declared = pool_demand(models, lambda m, milli: profile_for(catalog, geometries[m], milli), tasks)
+            pools = {m: pool_policy("pack", json.dumps(d)) for m, d in declared.items()}
         replay = Replay(catalog, job.mode, nodes, get_policy(job.policy, demand, supply(nodes)), job.verify,
-                        first_model=job.replay == "pure-first")
+                        first_model=job.replay == "pure-first", pool_policies=pools)
         sizes: dict[str, float] = {}
 
         def place(task: Task) -> float | None:
@@ -526,6 +581,22 @@ def preference(nodes: Sequence[Node]) -> tuple[str, ...]:
     return tuple(sorted(have, key=lambda m: (-have[m], m)))
 
 
+def pool_demand(models: Sequence[str], profile: Callable[[str, int], str | None],
+                tasks: Iterable[Task]) -> dict[str, list[dict[str, Any]]]:
+    """Per model, its pack pool's demand as the inventory declares it: the trace's task shapes on that model
+    (`profile`: the profile a GPU share maps to on a model), weighted by how many tasks have them."""
+    demand: dict[str, Counter[tuple[str, int, int]]] = {m: Counter() for m in models}
+    for t in tasks:
+        if t.num_gpu == 0:
+            continue
+        for m in models:
+            p = profile(m, t.gpu_milli) if t.models is None or m in t.models else None
+            if p is not None:
+                demand[m][(p, t.num_gpu, t.cpu_milli)] += 1
+    return {m: [{"profile": p, "gpus": g, "vcpus": c, "weight": float(w)} for (p, g, c), w in sorted(d.items())]
+            for m, d in demand.items()}
+
+
 class StoreReplay:
     """The fleet declared through an inventory file in a fresh SQLite store (simulated hosts, one `pack` pool per GPU
     model whose demand is the trace's task shapes on that model), and tasks placed as a user would: request_vm with
@@ -563,18 +634,8 @@ class StoreReplay:
 
     def inventory(self, nodes: Sequence[Node], tasks: Iterable[Task]) -> dict[str, Any]:
         """The inventory: pools with their demand, hosts with their GPUs."""
-        demand: dict[str, Counter[tuple[str, int, int]]] = {m: Counter() for m in self.models}
-        for t in tasks:
-            if t.num_gpu == 0:
-                continue
-            for m in self.models:
-                p = self.profile(m, t.gpu_milli) if t.models is None or m in t.models else None
-                if p is not None:
-                    demand[m][(p, t.num_gpu, t.cpu_milli)] += 1
-        pools = [{"name": self.pool[m], "policy": "pack",
-                  "demand": [{"profile": p, "gpus": g, "vcpus": c, "weight": float(w)}
-                             for (p, g, c), w in sorted(demand[m].items())]}
-                 for m in self.models if demand[m]]
+        demand = pool_demand(self.models, self.profile, tasks)
+        pools = [{"name": self.pool[m], "policy": "pack", "demand": demand[m]} for m in self.models if demand[m]]
         with_demand = {m for m in self.models if demand[m]}
         hosts = []
         for i, n in enumerate(nodes):
@@ -677,34 +738,47 @@ STORE_GAP = 0.2  # points: how far the store's pack may be from the pure policy'
 
 def summarize_store(results: Sequence[Mapping[str, Any]], traces: Sequence[str],
                     modes: Sequence[str]) -> list[dict[str, Any]]:
-    """Per trace x mode, pack's placed% (mean over seeds) three ways: pure, best of the task's models; pure, the
-    user's rule (first model that fits, most plentiful first); through the store with the user's rule."""
+    """Per trace x mode, pack's placed% (mean over seeds): pure, best of the task's models; pure, the user's rule
+    (first model that fits, most plentiful first); through the store and in the store's cut with the user's rule
+    (each None when not run), with their gaps to the pure user's."""
     out = []
     for trace in traces:
         for mode in modes:
             means: dict[str, float] = {}
-            for replay in ("pure", "pure-first", "store"):
+            for replay in ("pure", "pure-first", "store", "cut"):
                 rs = [r["placed_pct"] for r in results if (r["trace"], r["mode"], r["policy"]) ==
                       (trace, mode, "pack") and r.get("replay", "pure") == replay]
                 if rs:
                     means[replay] = statistics.fmean(rs)
-            if "store" in means and "pure-first" in means:
-                gap = means["store"] - means["pure-first"]
-                out.append({"trace": trace, "mode": mode, "pure": means.get("pure"),
-                            "pure_first": means["pure-first"], "store": means["store"], "gap": gap,
-                            "within": abs(gap) <= STORE_GAP})
+            if "pure-first" not in means or not {"store", "cut"} & set(means):
+                continue
+            row: dict[str, Any] = {"trace": trace, "mode": mode, "pure": means.get("pure"),
+                                   "pure_first": means["pure-first"]}
+            for replay in ("store", "cut"):
+                got = means.get(replay)
+                gap = None if got is None else got - means["pure-first"]
+                row |= {replay: got, f"{replay}_gap": gap, f"{replay}_within": gap is not None and
+                        abs(gap) <= STORE_GAP}
+            out.append(row)
     return out
 
 
 def render_store(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The plain-text table of pack through the store beside the pure policy."""
-    lines = ["", "pack through the store (request_vm, provision=False, SQLite, one pack pool per model) beside the "
-             "pure policy; placed% at 100% arrived; user = first model that fits, most plentiful first",
-             f"{'trace':<11} {'mode':<10} {'pure best':>9} {'pure user':>9} {'store user':>10} {'gap':>6}"]
+    """The plain-text table of pack through the store (and in the store's cut) beside the pure policy."""
+    def num(v: float | None, width: int, sign: str = "") -> str:
+        return f"{v:{sign}{width}.2f}" if v is not None else f"{'-':>{width}}"
+
+    lines = ["", "pack through the store (request_vm, provision=False, SQLite, one pack pool per model) and in the "
+             "store's cut (its candidate pages in the pure replay) beside the pure policy; placed% at 100% arrived; "
+             "user = first model that fits, most plentiful first",
+             f"{'trace':<11} {'mode':<10} {'pure best':>9} {'pure user':>9} {'store user':>10} {'gap':>6} "
+             f"{'cut user':>8} {'gap':>6}  within {STORE_GAP} points"]
     for r in rows:
-        best = f"{r['pure']:9.2f}" if r["pure"] is not None else f"{'-':>9}"
-        lines.append(f"{r['trace']:<11} {r['mode']:<10} {best} {r['pure_first']:9.2f} {r['store']:10.2f} "
-                     f"{r['gap']:+6.2f}  {'within' if r['within'] else 'NOT within'} {STORE_GAP} points")
+        within = [k for k in ("store", "cut") if r[k] is not None]
+        lines.append(f"{r['trace']:<11} {r['mode']:<10} {num(r['pure'], 9)} {num(r['pure_first'], 9)} "
+                     f"{num(r['store'], 10)} {num(r['store_gap'], 6, '+')} {num(r['cut'], 8)} "
+                     f"{num(r['cut_gap'], 6, '+')}  "
+                     + ("yes" if all(r[f"{k}_within"] for k in within) else "NO"))
     return "\n".join(lines)
 
 
@@ -750,6 +824,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--store", action="store_true",
                     help="also replay pack through the Controller and a SQLite store, beside the pure policy with the "
                          "same user's rule (slow: minutes per trace, mode and seed)")
+    ap.add_argument("--cut", action="store_true",
+                    help="also replay pack on the store's candidate pages in the pure replay (the store's cut: its "
+                         "hosts, order, pages and pool policies, without the store; seconds, not minutes), beside "
+                         "the pure policy with the user's rule")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     traces = _choices(args.trace, TRACES, "trace")
@@ -760,9 +838,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     nodes = load_nodes(Path(trace_dir), args.nodes_limit)
     jobs = [Job(trace_dir, t, m, p, s, args.nodes_limit, args.verify)
             for t in traces for m in modes for p in policies for s in seeds]
-    if args.store:
+    if args.store or args.cut:
+        kinds = ("pure-first", *(("store",) if args.store else ()), *(("cut",) if args.cut else ()))
         jobs += [Job(trace_dir, t, m, "pack", s, args.nodes_limit, replay=r)
-                 for t in traces for m in modes for s in seeds for r in ("store", "pure-first")]
+                 for t in traces for m in modes for s in seeds for r in kinds]
     started = time.perf_counter()
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -776,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_seconds": time.perf_counter() - started,
     }
     rows, verdicts = summarize(results, traces, modes, policies)
-    store = summarize_store(results, traces, modes) if args.store else []
+    store = summarize_store(results, traces, modes) if args.store or args.cut else []
     if args.json:
         print(json.dumps({"header": header, "rows": rows, "verdicts": verdicts, "store": store, "runs": results},
                          indent=2))

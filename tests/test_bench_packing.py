@@ -239,5 +239,18 @@ def test_store_mode_reports_the_store_beside_the_pure_policy(trace_dir: Path,
     assert replays == ["pure", "pure", "pure-first", "pure-first", "store", "store"]
     for row in data["store"]:
         assert 0 < row["store"] <= 100 and 0 < row["pure_first"] <= 100
-        assert row["gap"] == pytest.approx(row["store"] - row["pure_first"])
-        assert row["within"] == (abs(row["gap"]) <= bench.STORE_GAP)
+        assert row["store_gap"] == pytest.approx(row["store"] - row["pure_first"])
+        assert row["store_within"] == (abs(row["store_gap"]) <= bench.STORE_GAP)
+        assert row["cut"] is None and row["cut_gap"] is None
+
+
+def test_cut_mode_replays_the_stores_pages_and_gives_the_stores_number(trace_dir: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([str(trace_dir), "--trace", "default", "--modes", "vgpu-equal,mig", "--policies", "",
+                       "--seeds", "3", "--jobs", "1", "--store", "--cut", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sorted(r["replay"] for r in data["runs"]) == ["cut", "cut", "pure-first", "pure-first", "store", "store"]
+    for row in data["store"]:
+        assert row["cut"] == pytest.approx(row["store"])  # the same hosts, order, pages and policies
+        assert row["cut_gap"] == pytest.approx(row["cut"] - row["pure_first"])
+        assert row["cut_within"] == (abs(row["cut_gap"]) <= bench.STORE_GAP)
