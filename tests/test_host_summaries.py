@@ -325,3 +325,51 @@ def test_identical_empty_hosts_are_planned_once() -> None:
     preq = PlacementRequest(("L40S-8C",), 4, 1024)
     assert [h.name for h in alloc.distinct_states(hosts, preq)] == ["h1"]
     assert [h.name for h in alloc.distinct_states(hosts[::-1], preq)] == ["h1"]
+
+
+def _fleet(hosts: int) -> str:
+    return "pools:\n  - name: wide\n    policy: pack\nhosts:\n" + "".join(
+        f"  - name: kvm-{i:03d}\n    uri: simulated:///kvm-{i:03d}\n    driver: simulated\n    vcpus: 64\n"
+        "    memory_mib: 262144\n    gpus:\n" + "".join(
+            f'      - {{pci: "0000:{0x10 + j:02x}:00.0", model: L40S, mode: vgpu-equal, pool: wide}}\n'
+            for j in range(8)) for i in range(hosts))
+
+
+def _steps_to_add_a_gpu(url: str) -> int:
+    """SQLite's VM steps to insert one more GPU on the first host (the summary and width triggers included)."""
+    import sqlite3
+    con = sqlite3.connect(url.removeprefix("sqlite:///"))
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    try:
+        con.set_progress_handler(count, 1)
+        con.execute("INSERT INTO gpu (host_id, pci_address, model, mode, pool_id, pinned_type, mig_layout, axis_units, "
+                    "free_units, active_type, layout, device_count, version, fits, lacks) SELECT host_id, "
+                    "'0000:ff:00.0', model, mode, pool_id, pinned_type, mig_layout, axis_units, free_units, "
+                    "active_type, layout, device_count, version, fits, lacks FROM gpu ORDER BY id LIMIT 1")
+        con.set_progress_handler(None, 1)
+        con.rollback()
+    finally:
+        con.close()
+    return steps
+
+
+def test_a_gpu_insert_counts_its_host_not_its_pool(state_dir: Path, tmp_path: Path) -> None:
+    """Migration 0018: the width triggers read the host's GPUs, so adding a GPU costs the same in a pool of 80 GPUs
+    as in one of 1,600 (0015's count scanned the pool: `inventory apply` of 100k GPUs took 27 minutes)."""
+    steps = []
+    for hosts in (10, 200):
+        url = f"sqlite:///{tmp_path / f'fleet-{hosts}.db'}"
+        c = Controller(url)
+        try:
+            c.apply_inventory(write_inventory(tmp_path, _fleet(hosts)))
+            assert wrong_widths(c) == []
+        finally:
+            c.close()
+        steps.append(_steps_to_add_a_gpu(url))
+    assert steps[1] < 1.2 * steps[0], steps
