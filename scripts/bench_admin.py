@@ -10,7 +10,8 @@ pinned to A100D-10C) / H100-80GB mig (every fourth GPU with a declared MIG layou
 2. `--vms N` VMs requested through the Python API and provisioned end to end on the simulated hosts (devices
    carved, domains defined and started), so that status, doctor, metrics and reconcile have something to read;
 3. timed, each a fresh `vgpuctl` process, so start-up (imports, opening the store) counts: the same apply again
-   (nothing changed), `status` (the summary), `status --gpus --limit 100`, `doctor`, `metrics dump`,
+   (nothing changed; the parsed file read from the user cache the first apply filled, in the folder's own
+   $XDG_CACHE_HOME), the same again with no cache to read (parsed from YAML), `status` (the summary), `status --gpus --limit 100`, `doctor`, `metrics dump`,
    `reconcile` (read-only: every simulated host listed and compared with the store).
 
 Start-up on its own: `vgpuctl --help` and `vgpuctl profiles list` (no store), the median of `--startup-runs`
@@ -53,8 +54,11 @@ APPLY_TARGET_S = 30.0
 COMMAND_TARGET_S = 5.0
 START_TARGET_S = 0.3
 # name, arguments after `vgpuctl --db URL`, target in seconds (at the largest size), exit statuses accepted
+NO_CACHE = "re-apply, no parse cache"  # the same re-apply with no user cache to read or fill
+
 TIMED: tuple[tuple[str, tuple[str, ...], float, tuple[int, ...]], ...] = (
     ("re-apply (no changes)", ("inventory", "apply", "{file}"), COMMAND_TARGET_S, (0,)),
+    (NO_CACHE, ("inventory", "apply", "{file}"), COMMAND_TARGET_S, (0,)),
     ("status", ("status",), COMMAND_TARGET_S, (0,)),
     ("status --gpus --limit 100", ("status", "--gpus", "--limit", "100"), COMMAND_TARGET_S, (0,)),
     ("doctor", ("doctor",), COMMAND_TARGET_S, (0,)),
@@ -145,7 +149,7 @@ def bench_size(n_gpus: int, n_vms: int, root: Path, runs: int) -> dict[str, Any]
     gen_s = time.perf_counter() - t0
     url = f"sqlite:///{work / 'store.db'}"
     env = {**os.environ, "VGPU_CTL_STATE_DIR": str(work / "state"), "VGPU_CTL_DATABASE_URL": url,
-           "COLUMNS": "120"}
+           "COLUMNS": "120", "XDG_CACHE_HOME": str(work / "cache")}  # a new user's cache: empty at first
     env.pop("VGPU_CTL_TOKEN", None)
     cli = vgpuctl()
     timed([*cli, "init"], env)
@@ -158,7 +162,8 @@ def bench_size(n_gpus: int, n_vms: int, root: Path, runs: int) -> dict[str, Any]
                            "times": {"inventory apply": apply_s}, "cpu": {"inventory apply": apply_cpu},
                            "load": [os.getloadavg()[0]]}
     for name, args, _target, ok in TIMED:
-        took, cpu, out = best_of(runs, [*cli, *(a.format(file=inv) for a in args)], env, ok)
+        run_env = {**env, "XDG_CACHE_HOME": str(inv)} if name == NO_CACHE else env  # a file: no cache
+        took, cpu, out = best_of(runs, [*cli, *(a.format(file=inv) for a in args)], run_env, ok)
         row["times"][name] = took
         row["cpu"][name] = cpu
         if name.startswith("re-apply"):

@@ -25,6 +25,14 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(autouse=True)
+def user_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own user cache ($XDG_CACHE_HOME): none writes the user's, none sees another's."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path))
+    return path
+
+
 @pytest.fixture
 def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Simulated hosts (and the default SQLite store) keep their state under tmp_path."""

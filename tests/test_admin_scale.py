@@ -177,6 +177,63 @@ def test_a_good_file_is_never_composed_for_lines(tmp_path: Path, monkeypatch: py
     assert len(inv.hosts) == 3 and sum(len(h.gpus) for h in inv.hosts) == 9
 
 
+def _no_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("parsed YAML the cache holds")
+
+    monkeypatch.setattr(inventory_mod.yaml, "load", refuse)
+
+
+def test_a_second_parse_of_the_same_file_reads_the_cache_not_yaml(tmp_path: Path, user_cache_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_bytes(DEMO.read_bytes())
+    catalog = load_catalog()
+    first = parse_inventory(path, catalog)
+    cached = user_cache_dir / "vgpu-ctl" / inventory_mod.PARSED_CACHE
+    assert cached.stat().st_mode & 0o777 == 0o600 and cached.parent.stat().st_mode & 0o777 == 0o700
+    with monkeypatch.context() as m:
+        _no_yaml(m)
+        assert parse_inventory(path, catalog) == first
+    path.write_text(DEMO.read_text().replace("vcpus: 128", "vcpus: 96", 1))  # an edit: parsed afresh
+    with monkeypatch.context() as m:
+        _no_yaml(m)
+        with pytest.raises(AssertionError, match="parsed YAML"):
+            parse_inventory(path, catalog)
+    edited = parse_inventory(path, catalog)
+    assert edited != first and sorted(h.vcpus for h in edited.hosts) != sorted(h.vcpus for h in first.hosts)
+
+
+def test_a_cached_file_with_an_error_still_names_its_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD_FIELD)
+    catalog = load_catalog()
+    for cached in (False, True):
+        with monkeypatch.context() as m:
+            if cached:
+                _no_yaml(m)
+            with pytest.raises(InventoryError) as exc:
+                parse_inventory(path, catalog)
+        assert f"{path}:11: field hosts[0].gpus[1].colour: unknown key 'colour'" in exc.value.message
+
+
+@pytest.mark.parametrize("junk", [b"", b"{", b"[]", b'{"digest": 1}', b'{"data": {"hosts": []}}'])
+def test_a_broken_or_foreign_cache_file_is_ignored(tmp_path: Path, user_cache_dir: Path, junk: bytes) -> None:
+    catalog = load_catalog()
+    expected = parse_inventory(DEMO, catalog)
+    (user_cache_dir / "vgpu-ctl" / inventory_mod.PARSED_CACHE).write_bytes(junk)
+    assert parse_inventory(DEMO, catalog) == expected
+
+
+def test_what_json_cannot_hold_is_not_cached(tmp_path: Path, user_cache_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "dated.yaml"
+    path.write_text(DEMO.read_text() + "\nlabels_since: 2020-01-01\n")  # a date: JSON would hand back a string
+    with pytest.raises(InventoryError):
+        parse_inventory(path, load_catalog())
+    assert not (user_cache_dir / "vgpu-ctl" / inventory_mod.PARSED_CACHE).exists()
+
+
 # -- inventory apply: a second apply of the same file changes nothing -----------------------------------------------
 
 def test_reapply_unchanged_reports_no_changes_and_writes_nothing(store: Store) -> None:

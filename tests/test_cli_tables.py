@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from vgpu_ctl import user_cache
 from vgpu_ctl.catalog import load_catalog
 from vgpu_ctl.catalog.loader import CATALOG_PATH_ENV, DATA_DIR, _load
-from vgpu_ctl.cli import catalog_cache
 from vgpu_ctl.cli.catalog_cache import CACHE_NAME, listed_profiles
 from vgpu_ctl.cli.table import PlainTable, output_mode, output_width
 from vgpu_ctl.errors import CatalogError
@@ -115,7 +115,7 @@ def test_a_changed_catalog_file_or_loader_drops_the_cache(cache: Path, tmp_path:
         listed_profiles()
     monkeypatch.delenv(CATALOG_PATH_ENV)
     stale = json.loads(cache.read_text())
-    stale["models"]["A100-80GB"] = []
+    stale["data"]["A100-80GB"] = []
     cache.write_text(json.dumps({**stale, "digest": "another loader's"}))
     assert listed_profiles("A100-80GB") == load_catalog().profiles("A100-80GB")
 
@@ -125,7 +125,7 @@ def test_an_unwritable_cache_still_lists(tmp_path: Path, monkeypatch: pytest.Mon
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file: no folder can be made there
     assert listed_profiles() == load_catalog().profiles()
-    monkeypatch.setattr(catalog_cache, "cache_dir", lambda: None)
+    monkeypatch.setattr(user_cache, "cache_dir", lambda: None)
     assert listed_profiles() == load_catalog().profiles()
 
 

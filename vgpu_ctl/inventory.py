@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +19,7 @@ from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.geometry import Mode, geometry_for, parse_mig_layout
 from vgpu_ctl.core.placement import POLICIES
 from vgpu_ctl.errors import InvalidInput, InventoryError
+from vgpu_ctl.user_cache import read_json, write_json
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")  # whole strings only: fullmatch
 PCI_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
@@ -399,8 +402,41 @@ def _parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
         raise InventoryError(f"{path}:{bad_line}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
                              f"{exc.start})", reasons=[{"file": str(path), "line": bad_line, "error": "not UTF-8"}]
                              ) from None
+    digest = _parsed_digest(path, raw)
+    data = read_json(PARSED_CACHE, digest)
+    if data is None:
+        data = _load_yaml(path, text)
+        if _as_json(data):
+            write_json(PARSED_CACHE, digest, data)
+    if not isinstance(data, dict):
+        raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
+    return _validate(path, catalog, text, data)
+
+
+PARSED_CACHE = "inventory-parsed.json"  # the last file parsed: a re-apply of the same file reads no YAML
+
+
+def _parsed_digest(path: Path, raw: bytes) -> str:
+    """The digest of what `_load_yaml` makes of the file: its bytes, PyYAML's version and loader, and this code."""
+    loaders = f"{_BASE_LOADER.__module__}.{_BASE_LOADER.__qualname__} {_LOADER.__module__}.{_LOADER.__qualname__}"
+    h = hashlib.sha256(f"{path.resolve()}\n{yaml.__version__}\n{loaders}\n".encode())
+    h.update(Path(__file__).read_bytes())
+    h.update(raw)
+    return h.hexdigest()
+
+
+def _as_json(data: Any) -> bool:
+    """True when JSON gives back exactly `data` (plain strings, numbers, booleans, null, lists and mappings with
+    string keys: what an inventory holds; not dates, binary or numeric keys)."""
     try:
-        data = yaml.load(text, Loader=_LOADER) or {}
+        return bool(json.loads(json.dumps(data, allow_nan=False)) == data)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _load_yaml(path: Path, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_LOADER) or {}
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None)
         if problem is not None and "nesting depth" in str(problem):  # libyaml's own limit on depth
@@ -410,8 +446,9 @@ def _parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
         raise InventoryError(f"{path}{at}: not valid YAML: {problem or exc}") from None
     except RecursionError:
         raise _too_deep(path) from None
-    if not isinstance(data, dict):
-        raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
+
+
+def _validate(path: Path, catalog: Catalog, text: str, data: dict[str, Any]) -> InventoryDecl:
     lines = _Lines(text)
     try:
         inv = InventoryDecl.model_validate(data)

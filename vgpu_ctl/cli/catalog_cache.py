@@ -7,28 +7,14 @@ it can't be read or written, the catalog is loaded as without it."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-from contextlib import suppress
-from pathlib import Path
 from typing import Any
 
 from vgpu_ctl.catalog import ProfileInfo, ProfileKind, load_catalog
 from vgpu_ctl.catalog import loader as _loader
+from vgpu_ctl.user_cache import read_json, write_json
 
 CACHE_NAME = "catalog-profiles.json"
-FORMAT = 1  # bumped when the cached form changes
-
-
-def cache_dir() -> Path | None:
-    """Where the cache is kept ($XDG_CACHE_HOME/vgpu-ctl, else ~/.cache/vgpu-ctl); None without a home."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = str(Path.home() / ".cache")
-        except (KeyError, RuntimeError):
-            return None
-    return Path(base) / "vgpu-ctl"
+FORMAT = 2  # bumped when the cached form changes
 
 
 def _digest() -> str | None:
@@ -55,44 +41,25 @@ def _from_plain(d: dict[str, Any]) -> ProfileInfo:
     return ProfileInfo(**{**d, **tuples, "kind": ProfileKind(d["kind"])})
 
 
-def _read(path: Path, digest: str) -> dict[str, list[ProfileInfo]] | None:
+def _read(digest: str) -> dict[str, list[ProfileInfo]] | None:
     try:
-        data = json.loads(path.read_text())
-        if data.get("digest") != digest:
-            return None
-        return {model: [_from_plain(p) for p in ps] for model, ps in data["models"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        models = read_json(CACHE_NAME, digest)
+        return None if models is None else {model: [_from_plain(p) for p in ps] for model, ps in models.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-def _write(folder: Path, digest: str, by_model: dict[str, list[ProfileInfo]]) -> None:
-    """Replace the cache file at once (a temporary file renamed), so a reader never sees half of one."""
-    import tempfile  # only when the cache is written
-
-    with suppress(OSError):
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".catalog-", suffix=".tmp")  # 0600
-        try:
-            with os.fdopen(fd, "w") as out:
-                json.dump({"digest": digest, "models": {m: [_to_plain(p) for p in ps] for m, ps in by_model.items()}},
-                          out)
-            os.replace(tmp, folder / CACHE_NAME)
-        finally:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp)
 
 
 def _by_model() -> dict[str, list[ProfileInfo]]:
     """Every model's profiles, from the cache when it matches the catalog, else from the catalog (and cached)."""
-    digest, folder = _digest(), cache_dir()
-    if digest is not None and folder is not None:
-        cached = _read(folder / CACHE_NAME, digest)
+    digest = _digest()
+    if digest is not None:
+        cached = _read(digest)
         if cached is not None:
             return cached
     catalog = load_catalog()
     by_model = {name: catalog.profiles(name) for name in catalog.models}
-    if digest is not None and folder is not None:
-        _write(folder, digest, by_model)
+    if digest is not None:
+        write_json(CACHE_NAME, digest, {m: [_to_plain(p) for p in ps] for m, ps in by_model.items()})
     return by_model
 
 
