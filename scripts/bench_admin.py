@@ -11,8 +11,9 @@ pinned to A100D-10C) / H100-80GB mig (every fourth GPU with a declared MIG layou
    carved, domains defined and started), so that status, doctor, metrics and reconcile have something to read;
 3. timed, each a fresh `vgpuctl` process, so start-up (imports, opening the store) counts: the same apply again
    (nothing changed; the parsed file read from the user cache the first apply filled, in the folder's own
-   $XDG_CACHE_HOME), the same again with no cache to read (parsed from YAML), `status` (the summary), `status --gpus --limit 100`, `doctor`, `metrics dump`,
-   `reconcile` (read-only: every simulated host listed and compared with the store).
+   $XDG_CACHE_HOME), the same again with no cache to read (parsed from YAML), `status` (the summary),
+   `status --gpus --limit 100`, `doctor`, `metrics dump`, `reconcile` (read-only: every simulated host listed and
+   compared with the store).
 
 Start-up on its own: `vgpuctl --help` and `vgpuctl profiles list` (no store), the median of `--startup-runs`
 runs (default 10); with `--baseline SRC` (a checkout of another commit, e.g. `git worktree add /tmp/before

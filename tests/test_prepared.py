@@ -200,6 +200,37 @@ def test_run_many(engine: Engine) -> None:
         assert _tenants(conn) == names
 
 
+def test_run_many_of_a_row_insert_writes_rows_a_statement_as_row_by_row(engine: Engine,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    ins = insert_all(EVENT)
+    monkeypatch.setattr(ins, "per_statement", 3)
+    statements: list[str] = []
+    run = Prepared.run
+
+    def counted(self: Prepared, conn: Connection, params: Any = None) -> Any:
+        if str(self.statement).startswith("INSERT"):  # not the BEGIN of the store's engine
+            statements.append(str(self.statement))
+        return run(self, conn, params)
+
+    monkeypatch.setattr(Prepared, "run", counted)
+    rows = [fill_defaults(EVENT, _event(f"many-{i}", time=AWARE, params={**PARAMS, "i": i},
+                                        tenant=None if i % 2 else "acme")) for i in range(8)]
+    with engine.begin() as conn:
+        ins.run_many(conn, rows)
+        for r in rows:
+            ins.run(conn, {**r, "target": r["target"].replace("many", "one")})
+    assert len(statements) == 3 + 8  # rows 0-2, 3-5 and 6-7 in three statements, then one a row
+    assert "r2_time" in statements[0] and "r3_time" not in statements[0] and "r1_time" in statements[2]
+    with engine.connect() as conn:
+        got = {r.target: r._asdict() for r in conn.execute(select(EVENT).order_by(EVENT.c.id))}
+    assert list(got)[:8] == [f"many-{i}" for i in range(8)]  # in the rows' order
+    for i in range(8):
+        a, b = got[f"many-{i}"], got[f"one-{i}"]
+        assert {k: v for k, v in a.items() if k not in ("id", "target")} == \
+            {k: v for k, v in b.items() if k not in ("id", "target")}
+        assert a["params"]["i"] == i and _as_utc(a["time"]) == AWARE
+
+
 def test_missing_parameter_is_a_type_error_naming_it(engine: Engine) -> None:
     p = Prepared(select(TENANT.c.id).where(TENANT.c.name == bindparam("name"),
                                            TENANT.c.vms_used >= bindparam("least", type_=Integer)))
@@ -216,6 +247,8 @@ def test_missing_parameter_is_a_type_error_naming_it(engine: Engine) -> None:
             insert_all(EVENT).run(conn, row)
         with pytest.raises(TypeError, match="'params'"):
             insert_all(EVENT).run_many(conn, [row])
+        with pytest.raises(TypeError, match="'r1_params'"):  # the second row of a multi-row INSERT
+            insert_all(EVENT).run_many(conn, [fill_defaults(EVENT, _event("t", params={})), row])
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(EVENT)).scalar() == 0
 

@@ -393,6 +393,13 @@ def write_gpu(conn: Tx, gpu_id: int, version: int, occ: Occupancy) -> None:
 def insert_devices(conn: Tx, catalog: Catalog, vm_id: str, plan: PlacementPlan,
                    backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
     """Insert a device row per planned vGPU; the unique position and the overlap trigger guard them."""
+    rows = device_rows(vm_id, plan, backing_of)
+    STORE.candidates.insert_devices(conn, rows)  # a VM without vGPUs has none
+    return rows
+
+
+def device_rows(vm_id: str, plan: PlacementPlan, backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The device row (state claimed, a new id) of each planned vGPU of VM `vm_id`."""
     rows = []
     for d in plan.devices:
         shape = plan.occupancies[d.gpu_id].geometry.shapes[d.profile]
@@ -402,7 +409,6 @@ def insert_devices(conn: Tx, catalog: Catalog, vm_id: str, plan: PlacementPlan,
                      "framebuffer_mib": shape.framebuffer_mib, "uuid": dev_id,
                      "backing": backing_of[d.gpu_id],
                      "handle": {}, "state": "claimed"})
-    STORE.candidates.insert_devices(conn, rows)  # a VM without vGPUs has none
     return rows
 
 

@@ -566,9 +566,10 @@ class Allocator:
             raise alloc.ClaimConflict("a GPU changed")
         rows = [claims.vm_row(i.tenant_id, i.req, i.pool.row, i.chosen, i.delta, i.charges) for i in batch]
         STORE.claims.add_vms(tx, rows)
-        return [claims.record_devices(i.ctl, tx, row, i.req, i.pool.row, i.chosen, i.page,
-                                      classes[(i.tenant_id, i.req.tenant, i.req.priority)])
-                for i, row in zip(batch, rows, strict=True)]
+        return claims.write_records(tx, [
+            claims.claim_records(i.ctl, row, i.req, i.pool.row, i.chosen, i.page,
+                                 classes[(i.tenant_id, i.req.tenant, i.req.priority)])
+            for i, row in zip(batch, rows, strict=True)])
 
     @staticmethod
     def _write_one(tx: Tx, item: _Claim) -> None:

@@ -38,12 +38,14 @@ from vgpu_ctl.core.placement import (
 from vgpu_ctl.core.vm_state import VmState
 from vgpu_ctl.errors import Conflict, InvalidInput, NoCapacity, NotFound, QuotaExceeded, Refused, did_you_mean
 from vgpu_ctl.service import allocation as alloc
-from vgpu_ctl.service.audit import record
+from vgpu_ctl.service.audit import event
 from vgpu_ctl.service.leases import expiry
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VmInfo, VmRequest
 from vgpu_ctl.store.claims import PoolRow
+from vgpu_ctl.store.events import NewEvent
 from vgpu_ctl.store.unit import StoreError
+from vgpu_ctl.store.vm_sched import VmSchedRow
 
 if TYPE_CHECKING:
     from vgpu_ctl.core.priority import PriorityClass
@@ -366,7 +368,7 @@ def record_vm(ctl: Controller, conn: Tx, tenant_id: int, req: VmRequest, pool: P
     `cls`, audited; the VM as written."""
     row = vm_row(tenant_id, req, pool, chosen, delta, charges)
     STORE.claims.add_vms(conn, [row])
-    return record_devices(ctl, conn, row, req, pool, chosen, page, cls)
+    return write_records(conn, [claim_records(ctl, row, req, pool, chosen, page, cls)])[0]
 
 
 def vm_row(tenant_id: int, req: VmRequest, pool: PoolRow, chosen: PlacementPlan, delta: Mapping[str, int],
@@ -384,28 +386,48 @@ def vm_row(tenant_id: int, req: VmRequest, pool: PoolRow, chosen: PlacementPlan,
             "lease_holder": req.lease_holder, "lease_expires": expiry() if req.lease_holder else None}
 
 
-def record_devices(ctl: Controller, conn: Tx, row: Mapping[str, Any], req: VmRequest, pool: PoolRow,
-                   chosen: PlacementPlan, page: alloc.Candidates, cls: PriorityClass) -> VmInfo:
-    """For a VM row inserted (`vm_row`): its devices, its scheduling row (class `cls`) and its audit event; the
-    VM as written."""
+@dataclass(frozen=True, slots=True)
+class ClaimRecords:
+    """What a claim writes beside its VM row (its device rows, scheduling row and audit event), and the VM as
+    written."""
+
+    devices: list[dict[str, Any]]
+    sched: VmSchedRow
+    event: NewEvent
+    vm: VmInfo
+
+
+def claim_records(ctl: Controller, row: Mapping[str, Any], req: VmRequest, pool: PoolRow, chosen: PlacementPlan,
+                  page: alloc.Candidates, cls: PriorityClass) -> ClaimRecords:
+    """For a VM row (`vm_row`): its devices, its scheduling row (class `cls`), its audit event and the VM as they
+    write it (`write_records`)."""
     from vgpu_ctl.service import scheduling
     vm_id = row["id"]
     backing = {d.gpu_id: backing_for(chosen.occupancies[d.gpu_id].geometry.shapes[d.profile].kind.value,
                                      page.backings[chosen.host_id]).value for d in chosen.devices}
     placement = placement_of(chosen, page, pool.name)
-    rows = alloc.insert_devices(conn, ctl.catalog, vm_id, chosen, backing)
-    scheduling.attach(conn, ctl.catalog, vm_id, row["tenant_id"], cls, chosen, req.history)
-    record(conn, ctl.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
-           params={"name": req.name, "host": chosen.host, "pool": pool.name,
-                   "devices": [d.to_dict() for d in placement.devices]})
+    rows = alloc.device_rows(vm_id, chosen, backing)
+    sched = scheduling.sched_row(ctl.catalog, vm_id, row["tenant_id"], cls, chosen, req.history)
+    created = event(ctl.principal.actor, "vm.create", f"vm:{vm_id}", tenant=req.tenant,
+                    params={"name": req.name, "host": chosen.host, "pool": pool.name,
+                            "devices": [d.to_dict() for d in placement.devices]})
     devices = tuple(DeviceInfo(r["id"], f"{chosen.host}/{page.pcis[r['gpu_id']]}", r["gpu_id"], r["profile"],
                                r["kind"], r["start"], r["size"], r["uuid"], r["backing"], r["state"])
                     for r in sorted(rows, key=lambda r: (r["gpu_id"], r["start"])))
-    return VmInfo(vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus,
-                  req.memory_mib, row["framebuffer_mib"], devices,
-                  simulated=page.simulated.get(chosen.host_id, False), generation=1)
+    return ClaimRecords(rows, sched, created, VmInfo(
+        vm_id, req.name, req.tenant, chosen.host, pool.name, VmState.PLACED.value, req.vcpus, req.memory_mib,
+        row["framebuffer_mib"], devices, simulated=page.simulated.get(chosen.host_id, False), generation=1))
 
 
-__all__ = ["MAX_RETRIES", "AlreadyMade", "Ask", "ClaimResult", "Claimed", "Planned", "all_pools", "charge",
-           "charge_of", "check_profiles", "claim", "framebuffer", "placement_of", "pool_policy", "pool_row",
-           "read_ask", "record_devices", "record_vm", "scoped_charges", "take", "vm_row"]
+def write_records(conn: Tx, records: Sequence[ClaimRecords]) -> list[VmInfo]:
+    """Insert the claims' device rows, scheduling rows and audit events (their VM rows already inserted), a
+    statement per kind for all of them; their VMs."""
+    STORE.candidates.insert_devices(conn, [d for r in records for d in r.devices])  # the overlap trigger guards
+    STORE.vm_sched.add_vm_scheds(conn, [r.sched for r in records])
+    STORE.events.add_events(conn, [r.event for r in records])
+    return [r.vm for r in records]
+
+
+__all__ = ["MAX_RETRIES", "AlreadyMade", "Ask", "ClaimRecords", "ClaimResult", "Claimed", "Planned", "all_pools",
+           "charge", "charge_of", "check_profiles", "claim", "claim_records", "framebuffer", "placement_of",
+           "pool_policy", "pool_row", "read_ask", "record_vm", "scoped_charges", "take", "vm_row", "write_records"]

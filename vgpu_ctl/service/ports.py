@@ -16,7 +16,7 @@ from vgpu_ctl.store.candidate_pages import BareHostRow, CandidateRow, PageBounds
 from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
 from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
-from vgpu_ctl.store.events import EventRow
+from vgpu_ctl.store.events import EventRow, NewEvent
 from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
 from vgpu_ctl.store.fleet import FleetRows
 from vgpu_ctl.store.host_types import LackingGpu, TypedGpu, TypeIds
@@ -86,9 +86,8 @@ class TokenStore(Protocol):
 class EventStore(Protocol):
     """The audit trail."""
 
-    def add_event(self, tx: Tx, actor: str, action: str, target: str, tenant: str | None,
-                  params: dict[str, Any], result: str, error: str | None) -> None:
-        """Write one audit event."""
+    def add_events(self, tx: Tx, events: Sequence[NewEvent]) -> None:
+        """Write audit events, stamped now."""
 
     def event_rows(self, tx: Tx, tenant: str | None, since: Any, limit: int) -> list[EventRow]:
         """Events, oldest first, of a tenant and since a time when given."""
@@ -844,8 +843,8 @@ class VmSchedStore(Protocol):
                                protected_until: float) -> None:
         """Set the VM's preemption count and the protection (below a priority, until epoch seconds) it has."""
 
-    def add_vm_sched(self, tx: Tx, row: VmSchedRow) -> None:
-        """Insert a just-claimed VM's scheduling row."""
+    def add_vm_scheds(self, tx: Tx, rows: Sequence[VmSchedRow]) -> None:
+        """Insert just-claimed VMs' scheduling rows."""
 
     def preemptions(self, tx: Tx, vm_id: str) -> int:
         """How often a VM was preempted."""

@@ -306,19 +306,18 @@ def charge_of(catalog: Any, chosen: PlacementPlan) -> tuple[float, float]:
     return fb, compute
 
 
-def attach(conn: Tx, catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
-           history: Mapping[str, Any] | None = None) -> None:
-    """Record a just-claimed VM's priority, charge and preemption history (inside the claim's transaction); a
-    re-admitted victim's cool-down starts now. Whether it is borrowed is not recorded: it follows its tenant's
-    usage as it stands (`borrowed_vms`)."""
+def sched_row(catalog: Any, vm_id: str, tenant_id: int, cls: PriorityClass, chosen: PlacementPlan,
+              history: Mapping[str, Any] | None = None) -> VmSchedRow:
+    """A just-claimed VM's scheduling row (written in the claim's transaction): its priority, charge and
+    preemption history; a re-admitted victim's cool-down starts now. Whether it is borrowed is not recorded: it
+    follows its tenant's usage as it stands (`borrowed_vms`)."""
     fb, compute = charge_of(catalog, chosen)
     h = history or {}
     now = time.time()
     protected = h.get("protected_below")  # a requeued victim: its cool-down runs from this admission
-    STORE.vm_sched.add_vm_sched(conn, VmSchedRow(
-        vm_id, tenant_id, cls.name or None, cls.value, cls.preemptible, now, fb, compute,
-        int(h.get("preemptions", 0)), protected,
-        now + float(h.get("cooldown_s", 0.0)) if protected is not None else None))
+    return VmSchedRow(vm_id, tenant_id, cls.name or None, cls.value, cls.preemptible, now, fb, compute,
+                      int(h.get("preemptions", 0)), protected,
+                      now + float(h.get("cooldown_s", 0.0)) if protected is not None else None)
 
 
 # -- fair share -------------------------------------------------------------------------------------------------

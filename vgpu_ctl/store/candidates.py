@@ -71,10 +71,7 @@ _INSERT_DEVICE = insert_all(DEVICE)
 
 def insert_devices(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert device rows; the unique position and the overlap trigger guard them."""
-    if len(rows) == 1:
-        _INSERT_DEVICE.run(tx, rows[0])
-    elif rows:
-        _INSERT_DEVICE.run_many(tx, rows)
+    _INSERT_DEVICE.run_many(tx, rows)
 
 
 def delete_devices(tx: Tx, device_ids: Sequence[str]) -> None:

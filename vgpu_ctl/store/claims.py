@@ -64,11 +64,7 @@ def vm_by_key(tx: Tx, tenant_id: int, key: str) -> str | None:
 
 def add_vms(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert VM rows (columns by name; those left out take their defaults) in one statement."""
-    filled = [fill_defaults(VM, r) for r in rows]
-    if len(filled) == 1:
-        _INSERT_VM.run(tx, filled[0])
-    elif filled:
-        _INSERT_VM.run_many(tx, filled)
+    _INSERT_VM.run_many(tx, [fill_defaults(VM, r) for r in rows])
 
 
 class GpuAfter(NamedTuple):

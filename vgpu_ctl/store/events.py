@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -15,11 +16,22 @@ from vgpu_ctl.store.unit import Tx
 _INSERT_EVENT = insert_all(EVENT)
 
 
-def add_event(tx: Tx, actor: str, action: str, target: str, tenant: str | None, params: dict[str, Any],
-              result: str, error: str | None) -> None:
-    """Write one audit event, stamped now."""
-    _INSERT_EVENT.run(tx, {"time": utcnow(), "actor": actor, "tenant": tenant, "action": action,
-                           "target": target, "params": params, "result": result, "error": error})
+class NewEvent(NamedTuple):
+    """An audit event to write: who did what to which object (for which tenant), with what outcome."""
+
+    actor: str
+    action: str
+    target: str
+    tenant: str | None
+    params: dict[str, Any]
+    result: str
+    error: str | None
+
+
+def add_events(tx: Tx, events: Sequence[NewEvent]) -> None:
+    """Write audit events, stamped now, in as few statements as the store allows."""
+    now = utcnow()
+    _INSERT_EVENT.run_many(tx, [{"time": now, **e._asdict()} for e in events])
 
 
 class EventRow(NamedTuple):

@@ -95,11 +95,55 @@ def end_read(conn: Connection) -> None:
     _driver(conn).rollback()
 
 
-def insert_all(table: Table) -> Prepared:
-    """An INSERT of every column of `table` but a generated key, each bound by its column name;
-    `fill_defaults` completes rows."""
-    return Prepared(insert(table).values({c.name: bindparam(c.name, type_=c.type) for c in table.columns
-                                          if c is not table.autoincrement_column}))
+MAX_PARAMETERS = 999  # per statement: SQLite's limit before 3.32, far under PostgreSQL's 65,535
+
+
+class RowInsert:
+    """An INSERT of every column of a table but a generated key, each bound by its column name (`fill_defaults`
+    completes rows): `run` one row, `run_many` many rows in as few multi-row statements as the parameter limit
+    allows (each row count compiled once), so a batch of rows is one statement, not one per row."""
+
+    __slots__ = ("_by_count", "_columns", "_one", "_table", "per_statement")
+
+    def __init__(self, table: Table) -> None:
+        self._table = table
+        self._columns = [c for c in table.columns if c is not table.autoincrement_column]
+        self._one = Prepared(insert(table).values({c.name: bindparam(c.name, type_=c.type) for c in self._columns}))
+        self._by_count: dict[int, tuple[Prepared, tuple[tuple[str, ...], ...]]] = {}
+        self.per_statement = max(1, MAX_PARAMETERS // len(self._columns))
+
+    def run(self, conn: Connection, row: Mapping[str, Any]) -> Any:
+        """Insert one row; the DB-API cursor."""
+        return self._one.run(conn, row)
+
+    def run_many(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert `rows`, up to `per_statement` of them a statement."""
+        for at in range(0, len(rows), self.per_statement):
+            part = rows[at:at + self.per_statement]
+            if len(part) == 1:
+                self._one.run(conn, part[0])
+                continue
+            stmt, names = self._for(len(part))
+            params: dict[str, Any] = {}
+            for row, keys in zip(part, names, strict=True):
+                for c, key in zip(self._columns, keys, strict=True):
+                    if c.name in row:  # a missing column: Prepared names it
+                        params[key] = row[c.name]
+            stmt.run(conn, params)
+
+    def _for(self, count: int) -> tuple[Prepared, tuple[tuple[str, ...], ...]]:
+        found = self._by_count.get(count)
+        if found is None:
+            names = tuple(tuple(f"r{i}_{c.name}" for c in self._columns) for i in range(count))
+            values = [{c.name: bindparam(key, type_=c.type) for c, key in zip(self._columns, keys, strict=True)}
+                      for keys in names]
+            found = self._by_count[count] = (Prepared(insert(self._table).values(values)), names)
+        return found
+
+
+def insert_all(table: Table) -> RowInsert:
+    """A `RowInsert` of `table`."""
+    return RowInsert(table)
 
 
 def fill_defaults(table: Table, row: Mapping[str, Any]) -> dict[str, Any]:

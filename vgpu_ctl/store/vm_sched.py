@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from sqlalchemy import func, select, update
@@ -40,9 +41,9 @@ class Holding(NamedTuple):
 _INSERT = insert_all(VM_SCHED)  # in every claim's transaction
 
 
-def add_vm_sched(tx: Tx, row: VmSchedRow) -> None:
-    """Insert a just-claimed VM's scheduling row."""
-    _INSERT.run(tx, row._asdict())
+def add_vm_scheds(tx: Tx, rows: Sequence[VmSchedRow]) -> None:
+    """Insert just-claimed VMs' scheduling rows."""
+    _INSERT.run_many(tx, [r._asdict() for r in rows])
 
 
 def set_preemption_history(tx: Tx, vm_id: str, preemptions: int, protected_below: int | None,
