@@ -225,6 +225,25 @@ def test_a_broken_or_foreign_cache_file_is_ignored(tmp_path: Path, user_cache_di
     assert parse_inventory(DEMO, catalog) == expected
 
 
+@pytest.mark.parametrize("loose", ["folder", "file"])
+def test_a_cache_others_could_write_is_not_read(user_cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                loose: str) -> None:
+    catalog = load_catalog()
+    expected = parse_inventory(DEMO, catalog)
+    folder = user_cache_dir / "vgpu-ctl"
+    (folder if loose == "folder" else folder / inventory_mod.PARSED_CACHE).chmod(0o777 if loose == "folder"
+                                                                               else 0o666)
+    with monkeypatch.context() as m:
+        _no_yaml(m)
+        with pytest.raises(AssertionError, match="parsed YAML"):  # not trusted: parsed afresh
+            parse_inventory(DEMO, catalog)
+    assert parse_inventory(DEMO, catalog) == expected  # written again, and the folder made private again
+    assert folder.stat().st_mode & 0o777 == 0o700
+    with monkeypatch.context() as m:
+        _no_yaml(m)
+        assert parse_inventory(DEMO, catalog) == expected
+
+
 def test_what_json_cannot_hold_is_not_cached(tmp_path: Path, user_cache_dir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "dated.yaml"

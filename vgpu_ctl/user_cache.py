@@ -1,6 +1,6 @@
 """The user's cache folder for work that can be redone ($XDG_CACHE_HOME/vgpu-ctl, else ~/.cache/vgpu-ctl): made
-0700, each file 0600 and replaced at once. Nothing in it is needed; whatever can't be read or written there is
-worked out as without it."""
+0700, each file 0600 and replaced at once. Nothing in it is needed; whatever can't be read or written there, or
+that someone else could have written, is worked out as without it."""
 
 from __future__ import annotations
 
@@ -28,11 +28,20 @@ def read_json(name: str, digest: str) -> Any | None:
     if folder is None:
         return None
     try:
+        if not _private(folder) or not _private(folder / name):
+            return None
         with open(folder / name, encoding="utf-8") as f:
             cached = json.load(f)
         return cached["data"] if cached.get("digest") == digest else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _private(path: Path) -> bool:
+    """Whether only this user could have written `path` (owned by us, not writable by group or others): what
+    anyone else could write is not trusted as a parse of the user's files."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def write_json(name: str, digest: str, data: Any) -> None:
@@ -45,6 +54,8 @@ def write_json(name: str, digest: str, data: Any) -> None:
         return
     with suppress(OSError):
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.stat().st_uid == os.getuid():
+            folder.chmod(0o700)  # ours, but made looser by someone: private again, so what is written is read
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".cache-", suffix=".tmp")  # 0600
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
