@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -419,10 +420,15 @@ PARSED_CACHE = "inventory-parsed.json"  # the last file parsed: a re-apply of th
 def _parsed_digest(path: Path, raw: bytes) -> str:
     """The digest of what `_load_yaml` makes of the file: its bytes, PyYAML's version and loader, and this code."""
     loaders = f"{_BASE_LOADER.__module__}.{_BASE_LOADER.__qualname__} {_LOADER.__module__}.{_LOADER.__qualname__}"
-    h = hashlib.sha256(f"{path.resolve()}\n{yaml.__version__}\n{loaders}\n".encode())
-    h.update(Path(__file__).read_bytes())
+    h = hashlib.sha256(f"{path.resolve()}\n{yaml.__version__}\n{loaders}\n{_parser_digest()}\n".encode())
     h.update(raw)
     return h.hexdigest()
+
+
+@functools.cache
+def _parser_digest() -> str:
+    """The digest of this module's source, read once a process."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
 def _as_json(data: Any) -> bool:
