@@ -5,6 +5,7 @@ the caller's transaction."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -288,3 +289,61 @@ def test_statements_run_in_the_callers_transaction(engine: Engine) -> None:
         assert count.run(other, {"name": "kept"}).fetchone()[0] == 1
     with engine.connect() as conn:
         assert _tenants(conn) == ["kept", "kept-too"]
+
+
+def test_constants_the_statement_holds_are_in_its_sql(engine: Engine) -> None:
+    _add_hosts(engine)
+    with engine.begin() as conn:  # a constant with a quote and a percent sign is rendered escaped
+        conn.execute(HOST.insert().values(name="h5", uri="simulated:///o'dd%s", driver="simulated", labels={},
+                                          state="active", vcpus=1, memory_mib=1))
+    stmt = (select(HOST.c.name).where(HOST.c.uri == "simulated:///o'dd%s",
+                                      HOST.c.vcpus >= bindparam("n", type_=Integer)).limit(1))
+    p = Prepared(stmt)
+    with engine.connect() as conn:
+        compiled = p._for(conn.dialect)
+        assert "LIMIT 1" in compiled.sql and "o''dd" in compiled.sql
+        assert set(compiled.order or compiled.names) >= {"n"} and "param_1" not in (compiled.order or ())
+        assert [r[0] for r in p.run(conn, {"n": 1}).fetchall()] == ["h5"]
+        assert [r[0] for r in p.run(conn, {"n": 2}).fetchall()] == []
+
+
+@pytest.mark.postgres
+def test_a_generic_plan_on_postgresql_reads_a_summary_page_from_its_partial_index(pg_url: str) -> None:
+    """`n_fit > 0` in the SQL, not `n_fit > $1`: a plan made once for every call can use `host_fit`'s partial
+    indexes (with a parameter there it read every host of the pool)."""
+    from sqlalchemy import text
+
+    from vgpu_ctl.core.placement import CandidateOrder
+    from vgpu_ctl.store.candidate_pages import _summary_query
+    e = make_engine(pg_url)
+    migrate.upgrade(e)
+    try:
+        with e.connect() as conn:
+            sql = _summary_query(CandidateOrder.FULLEST_FIRST, False, True)._for(conn.dialect).sql
+            assert "host_fit.n_fit > 0 " in sql and "host.state = 'active'" in sql
+            names: list[str] = []
+            numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${_number(names, m.group(1))}", sql)
+            params = {"pool_id": "1", "c_model": "'A100-80GB'", "c_mode": "'vgpu-equal'", "c_bit": "1", "ndev": "1",
+                      "req_vcpus": "1", "req_memory_mib": "1", "page_limit": "6", "page_offset": "0"}
+            conn.execute(text("SET plan_cache_mode = force_generic_plan"))
+            conn.execute(text("SET enable_seqscan = off"))  # the test's store is empty: plan as for a fleet
+            driver = conn.connection.driver_connection
+
+            def plan(name: str, query: str, values: list[str]) -> str:
+                driver.execute(f"PREPARE {name} AS {query}")
+                return "\n".join(r[0] for r in driver.execute(f"EXPLAIN EXECUTE {name}({', '.join(values)})"))
+
+            values = [params[n] for n in names]
+            assert "host_fit_by_width" in plan("page", numbered, values)
+            # the same statement with the constant as a parameter cannot use the partial index
+            as_parameter = numbered.replace("host_fit.n_fit > 0 ", f"host_fit.n_fit > ${len(names) + 1} ")
+            assert "host_fit_by_width" not in plan("bound", as_parameter, [*values, "0"])
+    finally:
+        e.dispose()
+
+
+def _number(names: list[str], name: str) -> int:
+    """The 1-based position of `name` among `names` (added when new)."""
+    if name not in names:
+        names.append(name)
+    return names.index(name) + 1

@@ -18,6 +18,8 @@ from typing import Any
 from sqlalchemy import Table, bindparam, insert
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql import visitors
+from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.expression import Executable
 
 
@@ -205,20 +207,42 @@ def _bind(c: _Compiled, params: Mapping[str, Any]) -> Any:
         raise TypeError(f"missing parameter {exc.args[0]!r} for: {c.sql}") from None
 
 
+def _with_constants_inline(statement: Executable, dialect: Dialect) -> Executable:
+    """The statement with each constant it was built with (an anonymous bind holding an int or a string, as in
+    `n_fit > 0` or `LIMIT 1`) marked to be rendered in the SQL itself. PostgreSQL plans a prepared statement
+    once for every call (a generic plan), and that plan can use a partial index (`WHERE n_fit > 0`) or the
+    statistics of a value only when the constant is in the SQL: with `n_fit > $5` a summary page read every host
+    of the pool (13 ms at 10k GPUs) or was planned again on every call (2 ms)."""
+    def inline(element: Any) -> Any:
+        if (isinstance(element, BindParameter) and element.unique and not element.required
+                and not element.callable and type(element.value) in (int, str)
+                and element.type.dialect_impl(dialect).literal_processor(dialect) is not None):
+            return element.render_literal_execute()
+        return None
+    out: Executable = visitors.replacement_traverse(statement, {}, inline)  # type: ignore[call-overload]
+    return out
+
+
 def _compile(statement: Executable, dialect: Dialect) -> _Compiled:
-    compiled: Any = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+    compiled: Any = _with_constants_inline(statement, dialect).compile(dialect=dialect)  # type: ignore[attr-defined]
     sql: str = compiled.string
+    inlined = set()
+    for name, bp in compiled.binds.items():
+        token = f"__[POSTCOMPILE_{name}]"
+        if bp.literal_execute and token in sql:
+            sql = sql.replace(token, bp.type.dialect_impl(dialect).literal_processor(dialect)(bp.value))
+            inlined.add(name)
     if "POSTCOMPILE" in sql:
         raise ValueError(f"statement needs per-call rendering (expanding or literal-execute parameters): {sql}")
-    literals = {name: bp.value for name, bp in compiled.binds.items()
-                if not bp.required and bp.value is not None}
+    binds = {name: bp for name, bp in compiled.binds.items() if name not in inlined}
+    literals = {name: bp.value for name, bp in binds.items() if not bp.required and bp.value is not None}
     processors = {}
-    for name, bp in compiled.binds.items():
+    for name, bp in binds.items():
         proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
         if proc is not None:
             processors[name] = proc
-    order = tuple(compiled.positiontup) if dialect.positional else None
-    return _Compiled(sql, order, frozenset(compiled.binds), literals, processors, _picker(order),
+    order = tuple(n for n in compiled.positiontup if n not in inlined) if dialect.positional else None
+    return _Compiled(sql, order, frozenset(binds), literals, processors, _picker(order),
                      tuple((i, processors[n]) for i, n in enumerate(order or ()) if n in processors))
 
 
