@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all
+from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all, sent_together
 from vgpu_ctl.store.tables import EVENT, HOST, TENANT
 
 
@@ -178,6 +178,29 @@ def test_unique_violation_is_sqlalchemys_integrity_error(engine: Engine) -> None
         _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "beta"}))
     with engine.connect() as conn:
         assert _tenants(conn) == ["acme", "beta"]
+
+
+def test_statements_sent_together_write_in_order_and_raise_a_violation_as_sqlalchemys(engine: Engine) -> None:
+    with engine.begin() as conn:
+        _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "acme"}))
+    with engine.begin() as conn, sent_together(conn):
+        for name in ("b1", "b2", "b3"):
+            _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": name}))
+    with engine.connect() as conn:
+        assert _tenants(conn) == ["acme", "b1", "b2", "b3"]
+    with engine.connect() as conn:
+        trans = conn.begin()
+        with pytest.raises(IntegrityError) as err, sent_together(conn):
+            _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "c1"}))
+            _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "acme"}))  # taken: raised by the end
+        assert isinstance(err.value.orig, engine.dialect.loaded_dbapi.IntegrityError)
+        assert "tenant" in str(err.value.orig).lower()
+        trans.rollback()
+    with engine.begin() as conn:  # nothing of the failed block stayed, and the connection works on
+        assert _tenants(conn) == ["acme", "b1", "b2", "b3"]
+        _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "c1"}))
+    with engine.connect() as conn:
+        assert _tenants(conn) == ["acme", "b1", "b2", "b3", "c1"]
 
 
 def test_run_many(engine: Engine) -> None:

@@ -565,8 +565,7 @@ class Allocator:
         if not STORE.claims.write_gpus_after(tx, gpus):
             raise alloc.ClaimConflict("a GPU changed")
         rows = [claims.vm_row(i.tenant_id, i.req, i.pool.row, i.chosen, i.delta, i.charges) for i in batch]
-        STORE.claims.add_vms(tx, rows)
-        return claims.write_records(tx, [
+        return claims.write_records(tx, rows, [
             claims.claim_records(i.ctl, row, i.req, i.pool.row, i.chosen, i.page,
                                  classes[(i.tenant_id, i.req.tenant, i.req.priority)])
             for i, row in zip(batch, rows, strict=True)])

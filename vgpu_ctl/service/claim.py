@@ -367,8 +367,7 @@ def record_vm(ctl: Controller, conn: Tx, tenant_id: int, req: VmRequest, pool: P
     """Insert the VM (placed) and its devices for a plan `take` took, with its charges and priority class
     `cls`, audited; the VM as written."""
     row = vm_row(tenant_id, req, pool, chosen, delta, charges)
-    STORE.claims.add_vms(conn, [row])
-    return write_records(conn, [claim_records(ctl, row, req, pool, chosen, page, cls)])[0]
+    return write_records(conn, [row], [claim_records(ctl, row, req, pool, chosen, page, cls)])[0]
 
 
 def vm_row(tenant_id: int, req: VmRequest, pool: PoolRow, chosen: PlacementPlan, delta: Mapping[str, int],
@@ -419,12 +418,15 @@ def claim_records(ctl: Controller, row: Mapping[str, Any], req: VmRequest, pool:
         row["framebuffer_mib"], devices, simulated=page.simulated.get(chosen.host_id, False), generation=1))
 
 
-def write_records(conn: Tx, records: Sequence[ClaimRecords]) -> list[VmInfo]:
-    """Insert the claims' device rows, scheduling rows and audit events (their VM rows already inserted), a
-    statement per kind for all of them; their VMs."""
-    STORE.candidates.insert_devices(conn, [d for r in records for d in r.devices])  # the overlap trigger guards
-    STORE.vm_sched.add_vm_scheds(conn, [r.sched for r in records])
-    STORE.events.add_events(conn, [r.event for r in records])
+def write_records(conn: Tx, vm_rows: Sequence[Mapping[str, Any]], records: Sequence[ClaimRecords]) -> list[VmInfo]:
+    """Insert the claims' VM rows (`vm_row`), then their device rows, scheduling rows and audit events, a
+    statement per kind for all of them, sent together (one round trip on PostgreSQL; a name taken or a position
+    held is raised at the end); their VMs."""
+    with STORE.claims.together(conn):
+        STORE.claims.add_vms(conn, vm_rows)
+        STORE.candidates.insert_devices(conn, [d for r in records for d in r.devices])  # the overlap trigger guards
+        STORE.vm_sched.add_vm_scheds(conn, [r.sched for r in records])
+        STORE.events.add_events(conn, [r.event for r in records])
     return [r.vm for r in records]
 
 

@@ -193,6 +193,9 @@ class ClaimStore(Protocol):
     def add_vms(self, tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert VM rows in one statement."""
 
+    def together(self, tx: Tx) -> AbstractContextManager[None]:
+        """Writes whose results nobody reads, sent to the store together (their errors raised at the end)."""
+
     def write_gpus_after(self, tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
         """Store GPUs' states after a batch by compare-and-set; False at the first that changed."""
 

@@ -10,13 +10,13 @@ of all its VMs, and lets the claim tell the store's errors apart without knowing
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import BigInteger, Integer, String, bindparam, cast, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all
+from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all, sent_together
 from vgpu_ctl.store.tables import GPU, POOL, VM
 from vgpu_ctl.store.unit import Tx
 
@@ -65,6 +65,12 @@ def vm_by_key(tx: Tx, tenant_id: int, key: str) -> str | None:
 def add_vms(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert VM rows (columns by name; those left out take their defaults) in one statement."""
     _INSERT_VM.run_many(tx, [fill_defaults(VM, r) for r in rows])
+
+
+def together(tx: Tx) -> AbstractContextManager[None]:
+    """The writes inside sent to the store together (one round trip on PostgreSQL); a constraint they break is
+    raised at the end of the block."""
+    return sent_together(tx)
 
 
 class GpuAfter(NamedTuple):

@@ -9,7 +9,8 @@ inside the caller's transaction. Results are the driver's plain tuples.
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import itemgetter
@@ -95,6 +96,24 @@ def end_read(conn: Connection) -> None:
     """End the transaction that prepared reads outside any SQLAlchemy transaction opened at the driver
     (PostgreSQL's drivers open one on the first statement; SQLite's reads ran in autocommit)."""
     _driver(conn).rollback()
+
+
+@contextmanager
+def sent_together(conn: Connection) -> Iterator[None]:
+    """Statements run inside (ones whose results nobody reads, such as INSERTs) sent to the database together
+    and answered together at the end: one round trip on PostgreSQL (psycopg's pipeline mode) instead of one per
+    statement; on SQLite, which has no round trips, as they are. A driver error, raised at the end on
+    PostgreSQL, is raised as SQLAlchemy's, as a statement run alone raises it."""
+    driver = _driver(conn)
+    if not hasattr(driver, "pipeline"):
+        yield
+        return
+    try:
+        with driver.pipeline():
+            yield
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise DBAPIError.instance("(statements sent together)", None, exc, conn.dialect.loaded_dbapi.Error,
+                                  dialect=conn.dialect) from exc
 
 
 MAX_PARAMETERS = 999  # per statement: SQLite's limit before 3.32, far under PostgreSQL's 65,535
