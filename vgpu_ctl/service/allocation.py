@@ -390,8 +390,7 @@ def write_gpu(conn: Tx, gpu_id: int, version: int, occ: Occupancy) -> None:
         raise ClaimConflict(f"gpu {gpu_id} changed")
 
 
-def insert_devices(conn: Tx, catalog: Catalog, vm_id: str, plan: PlacementPlan,
-                   backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
+def insert_devices(conn: Tx, vm_id: str, plan: PlacementPlan, backing_of: Mapping[int, str]) -> list[dict[str, Any]]:
     """Insert a device row per planned vGPU; the unique position and the overlap trigger guard them."""
     rows = device_rows(vm_id, plan, backing_of)
     STORE.candidates.insert_devices(conn, rows)  # a VM without vGPUs has none

@@ -210,7 +210,7 @@ def _claim_new(ctl: Controller, conn: Tx, vm: VmRow, old_host: HostRow, m: Move)
     chosen = PlacementPlan(new_host.id, new_host.name, tuple(placed), occs)
     backing = {d.gpu_id: backing_for(occs[d.gpu_id].geometry.shapes[d.profile].kind.value,
                                      new_host.vgpu_backing).value for d in placed}
-    made = alloc.insert_devices(conn, ctl.catalog, vm.id, chosen, backing)
+    made = alloc.insert_devices(conn, vm.id, chosen, backing)
     return new_host, [r["id"] for r in made]
 
 

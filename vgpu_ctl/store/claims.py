@@ -10,7 +10,7 @@ of all its VMs, and lets the claim tell the store's errors apart without knowing
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import BigInteger, Integer, String, bindparam, cast, select, update
@@ -67,10 +67,7 @@ def add_vms(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
     _INSERT_VM.run_many(tx, [fill_defaults(VM, r) for r in rows])
 
 
-def together(tx: Tx) -> AbstractContextManager[None]:
-    """The writes inside sent to the store together (one round trip on PostgreSQL); a constraint they break is
-    raised at the end of the block."""
-    return sent_together(tx)
+together = sent_together  # a claim's inserts sent together: one round trip on PostgreSQL
 
 
 class GpuAfter(NamedTuple):
