@@ -15,7 +15,7 @@ from vgpu_ctl.core.placement import CandidateOrder
 from vgpu_ctl.store.candidate_pages import BareHostRow, CandidateRow, PageBounds, SummaryRow
 from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
-from vgpu_ctl.store.claims import ClaimError, GpuAfter, PoolRow
+from vgpu_ctl.store.claims import ClaimError, ClaimOutcome, ClaimWrite, GpuAfter, PoolRow
 from vgpu_ctl.store.events import EventRow, NewEvent
 from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
 from vgpu_ctl.store.fleet import FleetRows
@@ -196,11 +196,21 @@ class ClaimStore(Protocol):
     def together(self, tx: Tx) -> AbstractContextManager[None]:
         """Writes whose results nobody reads, sent to the store together (their errors raised at the end)."""
 
+    def insert_claims(self, tx: Tx, vms: Sequence[Mapping[str, Any]], devices: Sequence[Mapping[str, Any]],
+                      scheds: Sequence[VmSchedRow], events: Sequence[NewEvent]) -> None:
+        """Insert claims' VM, device, scheduling and audit rows, a statement per kind."""
+
+    def write_claim(self, tx: Tx, w: ClaimWrite) -> ClaimOutcome:
+        """Every write of one claim sent together; what its conditional updates did."""
+
     def write_gpus_after(self, tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
         """Store GPUs' states after a batch by compare-and-set; False at the first that changed."""
 
     def end_read_on(self, tx: Tx) -> None:
         """End the read's transaction on `tx`."""
+
+    def read_to_write(self, tx: Tx) -> None:
+        """Ready `tx`, where a claim's read ran, for its write (on PostgreSQL the read's transaction goes on)."""
 
     def write_on(self, tx: Tx) -> AbstractContextManager[Callable[[], None]]:
         """A write transaction on `tx`, rolled back unless its commit is called."""

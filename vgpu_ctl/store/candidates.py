@@ -8,7 +8,7 @@ process).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import BigInteger, Integer, bindparam, select, update
@@ -56,8 +56,13 @@ _WRITE_GPU = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type_=Inte
 
 def write_gpu(tx: Tx, gpu_id: int, version: int, state: Mapping[str, Any]) -> bool:
     """Store a GPU's state columns (GPU_STATE_COLUMNS) if nobody changed it since `version`; whether it did."""
+    return write_gpu_sent(tx, gpu_id, version, state)()
+
+
+def write_gpu_sent(tx: Tx, gpu_id: int, version: int, state: Mapping[str, Any]) -> Callable[[], bool]:
+    """`write_gpu` sent; its answer is read by the callable it returns (after `sent_together` ends)."""
     res = _WRITE_GPU.run(tx, {"g_id": gpu_id, "g_version": version, **{f"g_{k}": v for k, v in state.items()}})
-    return bool(res.rowcount == 1)
+    return lambda: bool(res.rowcount == 1)
 
 
 def gpu_state_row(tx: Tx, gpu_id: int) -> GpuStateRow:
@@ -80,4 +85,5 @@ def delete_devices(tx: Tx, device_ids: Sequence[str]) -> None:
 
 
 __all__ = ["GPU_STATE_COLUMNS", "GpuStateRow", "delete_devices", "gpu_state_row", "insert_devices", "pool_has",
-           "unlacked", "write_gpu"]
+           "unlacked", "write_gpu",
+           "write_gpu_sent"]

@@ -7,7 +7,7 @@ host's capacity. The statements a claim runs are `Prepared` (compiled once per p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -28,9 +28,18 @@ class ScopedUse(NamedTuple):
 def charge_tenant(tx: Tx, tenant_id: int, delta: Mapping[str, int]) -> bool | None:
     """Add `delta` to the tenant's global usage if no limit is passed: None if one would pass, else whether
     the tenant has scoped limits (read under the row lock this update takes)."""
+    return charge_tenant_sent(tx, tenant_id, delta)()
+
+
+def charge_tenant_sent(tx: Tx, tenant_id: int, delta: Mapping[str, int]) -> Callable[[], bool | None]:
+    """`charge_tenant` sent; its answer is read by the callable it returns (after `sent_together` ends)."""
     stmt = _charge_tenant_stmt(tuple(delta), tuple(r for r, n in delta.items() if n > 0))
-    row = stmt.run(tx, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}}).fetchone()
-    return None if row is None else bool(row[0])
+    cur = stmt.run(tx, {"t_id": tenant_id, **{f"d_{r}": n for r, n in delta.items()}})
+
+    def answer() -> bool | None:
+        row = cur.fetchone()
+        return None if row is None else bool(row[0])
+    return answer
 
 
 @lru_cache(maxsize=256)
@@ -96,8 +105,13 @@ _CLAIM_HOST = Prepared(update(HOST).where(
 
 def claim_host(tx: Tx, host_id: int, vcpus: int, memory_mib: int) -> bool:
     """Take vCPUs and memory on the host if it is active and has room (overcommit applied); whether it did."""
+    return claim_host_sent(tx, host_id, vcpus, memory_mib)()
+
+
+def claim_host_sent(tx: Tx, host_id: int, vcpus: int, memory_mib: int) -> Callable[[], bool]:
+    """`claim_host` sent; its answer is read by the callable it returns (after `sent_together` ends)."""
     res = _CLAIM_HOST.run(tx, {"h_id": host_id, "d_vcpus": vcpus, "d_memory_mib": memory_mib})
-    return bool(res.rowcount == 1)
+    return lambda: bool(res.rowcount == 1)
 
 
 def release_host(tx: Tx, host_id: int, vcpus: int, memory_mib: int) -> None:
@@ -118,8 +132,15 @@ def hosts_of_group(tx: Tx, group: str) -> set[int]:
 
 def group_on_host(tx: Tx, group: str, host_id: int) -> bool:
     """Whether a VM of anti-affinity `group` is on the host."""
-    return _GROUP_ON_HOST.run(tx, {"group": group, "h_id": host_id}).fetchone() is not None
+    return group_on_host_sent(tx, group, host_id)()
 
 
-__all__ = ["ScopedUse", "charge_scoped_row", "charge_tenant", "claim_host", "group_on_host", "hosts_of_group",
-           "release_host", "scoped_keys", "scoped_use", "tenant_usage", "uncharge"]
+def group_on_host_sent(tx: Tx, group: str, host_id: int) -> Callable[[], bool]:
+    """`group_on_host` sent; its answer is read by the callable it returns (after `sent_together` ends)."""
+    cur = _GROUP_ON_HOST.run(tx, {"group": group, "h_id": host_id})
+    return lambda: cur.fetchone() is not None
+
+
+__all__ = ["ScopedUse", "charge_scoped_row", "charge_tenant", "charge_tenant_sent", "claim_host", "claim_host_sent",
+           "group_on_host", "group_on_host_sent", "hosts_of_group", "release_host", "scoped_keys", "scoped_use",
+           "tenant_usage", "uncharge"]

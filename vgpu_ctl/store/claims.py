@@ -16,9 +16,13 @@ from typing import Any, Literal, NamedTuple
 from sqlalchemy import BigInteger, Integer, String, bindparam, cast, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from vgpu_ctl.store.candidates import insert_devices, write_gpu_sent
+from vgpu_ctl.store.charges import charge_tenant_sent, claim_host_sent, group_on_host_sent
+from vgpu_ctl.store.events import NewEvent, add_events
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all, sent_together
 from vgpu_ctl.store.tables import GPU, POOL, VM
 from vgpu_ctl.store.unit import Tx
+from vgpu_ctl.store.vm_sched import VmSchedRow, add_vm_scheds
 
 
 class PoolRow(NamedTuple):
@@ -70,6 +74,74 @@ def add_vms(tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
 together = sent_together  # a claim's inserts sent together: one round trip on PostgreSQL
 
 
+def insert_claims(tx: Tx, vms: Sequence[Mapping[str, Any]], devices: Sequence[Mapping[str, Any]],
+                  scheds: Sequence[VmSchedRow], events: Sequence[NewEvent]) -> None:
+    """Insert claims' VM rows, then their device rows (the unique position and the overlap trigger guard
+    them), scheduling rows and audit events: a statement per kind for all of them."""
+    add_vms(tx, vms)
+    insert_devices(tx, devices)
+    add_vm_scheds(tx, scheds)
+    add_events(tx, events)
+
+
+class ClaimWrite(NamedTuple):
+    """Everything one claim writes: the tenant's charge, the host's capacity, the anti-affinity group that must
+    not be on the host yet, each GPU's compare-and-set (id, version read, state columns after) and the rows
+    `insert_claims` inserts."""
+
+    tenant_id: int
+    delta: Mapping[str, int]
+    host_id: int
+    vcpus: int
+    memory_mib: int
+    group: str | None
+    gpus: Sequence[tuple[int, int, Mapping[str, Any]]]
+    vms: Sequence[Mapping[str, Any]]
+    devices: Sequence[Mapping[str, Any]]
+    scheds: Sequence[VmSchedRow]
+    events: Sequence[NewEvent]
+
+
+ClaimOutcome = Literal["written", "written_scoped", "quota", "host", "group", "gpu"]
+"""What `write_claim` did: all of it ("written_scoped": the tenant has pool-scoped limits, still to be charged
+in the same transaction), or which check failed first, in the order a claim makes them (the caller then rolls
+back): a global limit would pass, the host is inactive or full, the anti-affinity group is on it, a GPU changed."""
+
+
+def write_claim(tx: Tx, w: ClaimWrite) -> ClaimOutcome:
+    """Make every write of one claim in the caller's transaction, sent together (on PostgreSQL one round trip;
+    rows locked in the order of the step-by-step claim: tenant, host, GPUs by id), then read what the
+    conditional updates did. A unique VM name, idempotency key or device position taken is raised as the
+    store's IntegrityError, unless a global limit would pass (that is the answer then, as when the charge
+    comes first)."""
+    checks: list[Callable[[], Any]] = []
+    try:
+        with sent_together(tx):
+            checks.append(charge_tenant_sent(tx, w.tenant_id, w.delta))
+            checks.append(claim_host_sent(tx, w.host_id, w.vcpus, w.memory_mib))
+            if w.group is not None:
+                checks.append(group_on_host_sent(tx, w.group, w.host_id))
+            checks.extend(write_gpu_sent(tx, g, version, state) for g, version, state in sorted(w.gpus))
+            insert_claims(tx, w.vms, w.devices, w.scheds, w.events)
+    except IntegrityError:
+        if checks and checks[0]() is None:
+            return "quota"
+        raise
+    scoped = checks[0]()
+    if scoped is None:
+        return "quota"
+    if not checks[1]():
+        return "host"
+    at = 2
+    if w.group is not None:
+        if checks[2]():
+            return "group"
+        at = 3
+    if not all(check() for check in checks[at:]):
+        return "gpu"
+    return "written_scoped" if scoped else "written"
+
+
 class GpuAfter(NamedTuple):
     """A GPU as a group commit leaves it: the version its first claim read, how many claims of the batch change
     it, and the state columns (allocation.GPU_STATE_COLUMNS) after the last of them."""
@@ -107,6 +179,17 @@ def end_read_on(tx: Tx) -> None:
         tx.rollback()
     else:
         end_read(tx)
+
+
+def read_to_write(tx: Tx) -> None:
+    """Ready `tx`, where a claim's read ran, for the write that follows. On PostgreSQL a read of prepared
+    statements only goes on as the write's transaction: no ROLLBACK and BEGIN between them, two round trips
+    fewer. That is sound because every statement of a READ COMMITTED transaction sees what was committed before
+    it ran, and the write decides by its conditional updates, not by what the read saw (under a stricter
+    isolation a write that lost a race is a serialization failure, which the claim retries). Elsewhere, or
+    after ordinary statements (SQLAlchemy's own transaction), the read ends (`end_read_on`)."""
+    if tx.dialect.name != "postgresql" or tx.in_transaction():
+        end_read_on(tx)
 
 
 @contextmanager
