@@ -6,7 +6,7 @@ run writes nothing; the results are typed."""
 
 from __future__ import annotations
 
-import time
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -309,35 +309,54 @@ def test_dry_run_never_writes(acme: Controller, state_dir: Path) -> None:
 
 
 @pytest.mark.postgres
-def test_write_runs_in_a_new_transaction_after_the_read(pg_url: str, state_dir: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_postgres_the_write_is_sent_at_once_in_the_reads_read_committed_transaction(
+        pg_url: str, state_dir: Path, tmp_path: Path) -> None:
+    from psycopg import pq
+    from sqlalchemy import event
+
     ctl = Controller(pg_url)
     try:
         ctl.apply_inventory(DEMO)
         ctl.create_tenant("acme")
-        started: dict[str, Any] = {}
+        req(ctl, "warm", "A100D-10C")  # statements compiled, pool connection made
+        trace = (tmp_path / "trace.txt").open("w")
 
-        def xact_start(conn: Any) -> Any:
-            return conn.connection.driver_connection.execute("SELECT transaction_timestamp()").fetchone()[0]
+        @event.listens_for(ctl.engine, "checkout")
+        def traced(dbapi: Any, _record: Any, _proxy: Any) -> None:
+            assert dbapi.execute("SHOW transaction_isolation").fetchone()[0] == "read committed"
+            dbapi.rollback()
+            dbapi.pgconn.trace(trace.fileno())
+            dbapi.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
 
-        read, take = claim.read_ask, claim.take
-
-        def reading(ctl: Controller, conn: Any, *args: Any, **kw: Any) -> Any:
-            out = read(ctl, conn, *args, **kw)
-            started.setdefault("read", xact_start(conn))
-            time.sleep(0.05)
-            return out
-
-        def taking(conn: Any, *args: Any) -> Any:
-            started.setdefault("write", xact_start(conn))
-            return take(conn, *args)
-
-        monkeypatch.setattr(claim, "read_ask", reading)
-        monkeypatch.setattr(claim, "take", taking)
         req(ctl, "a", "A100D-10C")
-        assert started["write"] > started["read"]
+        event.remove(ctl.engine, "checkout", traced)
+        ctl.engine.dispose()
+        trace.close()
+        lines = (tmp_path / "trace.txt").read_text().splitlines()
+        assert not any('"ROLLBACK"' in ln for ln in lines)  # no ROLLBACK and BEGIN between the read and the write
+        write = next(i for i, ln in enumerate(lines) if '"UPDATE tenant' in ln)
+        directions = [ln.split("\t")[0] for ln in lines[write:]]
+        round_trips = sum(a == "F" and b == "B" for a, b in itertools.pairwise(directions))
+        assert round_trips == 2  # every write of the claim together, then COMMIT
+        assert [v.state for v in ctl.list_vms("acme") if v.name == "a"] == ["placed"]
+        check_store_invariants(ctl.engine)
     finally:
         ctl.close()
+
+
+def test_a_name_taken_while_over_quota_is_refused_for_the_quota(acme: Controller) -> None:
+    # The claim's writes are sent together, the VM's INSERT beside the charge: the limit is still the answer.
+    ctl = acme
+    req(ctl, "a", "A100D-10C")
+    ctl.set_quota("acme", {"vms": 1})
+    before = store_snapshot(ctl)
+    with pytest.raises(QuotaExceeded) as err:
+        req(ctl, "a", "A100D-10C")
+    assert err.value.reasons[0]["resource"] == "vms"
+    assert_unchanged_but_refusal(ctl, before)
+    ctl.set_quota("acme", {"vms": None})
+    with pytest.raises(Conflict, match="already has a VM named 'a'"):
+        req(ctl, "a", "A100D-10C")
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """The claim: a VM request placed and charged in the store, in one path.
 
-    read (no write lock): the tenant, its idempotency key, the pools, each pool's candidates -> plan
+    read (no write lock): the tenant, its idempotency key, the pools, each pool's candidates -> plan, class
     write (one short transaction per pool tried): charge the quotas -> take host and GPUs by compare-and-set
                                                   -> insert the VM and its devices -> commit
+                                                  (all of it sent at once, answers read after: one round trip
+                                                  on PostgreSQL; a limit that would pass goes step by step)
     one retry loop around both: any conditional update that finds the store changed since the read (a GPU's
     version, the host's capacity, an anti-affinity group placed meanwhile) rolls back and plans again
 
@@ -20,7 +22,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from vgpu_ctl.catalog import Catalog
 from vgpu_ctl.core.backings import backing_for
@@ -42,7 +44,7 @@ from vgpu_ctl.service.audit import event
 from vgpu_ctl.service.leases import expiry
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import DeviceInfo, PlacedDevice, Placement, VmInfo, VmRequest
-from vgpu_ctl.store.claims import PoolRow
+from vgpu_ctl.store.claims import ClaimWrite, PoolRow
 from vgpu_ctl.store.events import NewEvent
 from vgpu_ctl.store.unit import StoreError
 from vgpu_ctl.store.vm_sched import VmSchedRow
@@ -233,32 +235,81 @@ def _by_key(conn: Tx, tenant_id: int, key: str) -> AlreadyMade | None:
 def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
     """One try: plan each pool from a read, then charge and take in a write transaction of its own; the
     pools in order until one takes the VM. ClaimConflict when the store changed since the read."""
+    from vgpu_ctl.service import scheduling
     with ctl.engine.connect() as conn:
         ask = read_ask(ctl, conn, req, offers_too=False)
         if isinstance(ask, AlreadyMade):
             return ask
         reasons: list[dict[str, Any]] = []
+        cls: PriorityClass | None = None
         for pool in ask.pools:
             chosen, page = _plan_in_pool(ctl, conn, ask.preq, pool, ask.pool_names)
             if chosen is None and req.pool:  # the named pool was not asked whether it offers the profiles
                 check_profiles(conn, ctl.catalog, req, ask.pools)
-            STORE.claims.end_read_on(conn)
-            with ctl.write_turn(), STORE.claims.write_on(conn) as commit:
-                charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
-                failed = charge(conn, ask.tenant_id, req.tenant, ask.delta, charges)
-                if failed:  # this pool's own limits are reached: the next pool may take it
-                    reasons.extend(alloc.quota_refusal(conn, ask.tenant_id, req.tenant, {}, failed, charges).reasons)
-                    continue
-                if chosen is None:
-                    reasons.append(_capacity_reason(ctl, conn, ask, pool))
-                    continue
-                cls = take(conn, ask.tenant_id, req, chosen, page)
-                if dry_run:
-                    return Planned(placement_of(chosen, page, pool.name))
-                vm = record_vm(ctl, conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges, cls)
-                commit()
-                return Claimed(vm)
+            if chosen is not None and cls is None:  # in the read: the write only sends and checks
+                cls = scheduling.resolve(conn, ask.tenant_id, req.tenant, req.priority)
+            STORE.claims.read_to_write(conn)
+            charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
+            with ctl.write_turn():
+                if chosen is not None and cls is not None and not dry_run:
+                    written = _write_at_once(ctl, conn, ask, req, pool, chosen, page, charges, cls, reasons)
+                    if written == "refused":
+                        continue
+                    if written != "over_quota":
+                        return Claimed(written)
+                done = _write_step_by_step(ctl, conn, ask, req, pool, chosen, page, charges, cls, dry_run, reasons)
+            if done is not None:
+                return done
         raise _refusal(req, ask.profiles, reasons)
+
+
+def _write_at_once(ctl: Controller, conn: Tx, ask: Ask, req: VmRequest, pool: PoolRow, chosen: PlacementPlan,
+                   page: alloc.Candidates, charges: Mapping[tuple[str, str], int], cls: PriorityClass,
+                   reasons: list[dict[str, Any]]) -> VmInfo | Literal["refused", "over_quota"]:
+    """Claim the plan with every write sent together (`write_claim`: on PostgreSQL one round trip, then the
+    commit): the VM as written; "refused" when the pool's own limits are reached (their reasons added to
+    `reasons`); "over_quota" when a global limit would pass (rolled back: the step-by-step write says which).
+    ClaimConflict when the host, a GPU or the anti-affinity group changed since the read."""
+    with STORE.claims.write_on(conn) as commit:
+        row = vm_row(ask.tenant_id, req, pool, chosen, ask.delta, charges)
+        records = claim_records(ctl, row, req, pool, chosen, page, cls)
+        gpus = [(gid, page.versions[gid], alloc.gpu_state(occ)) for gid, occ in chosen.occupancies.items()]
+        done = STORE.claims.write_claim(conn, ClaimWrite(
+            ask.tenant_id, ask.delta, chosen.host_id, req.vcpus, req.memory_mib, req.anti_affinity, gpus, [row],
+            records.devices, [records.sched], [records.event]))
+        if done == "quota":
+            return "over_quota"
+        if done not in ("written", "written_scoped"):
+            raise alloc.ClaimConflict(f"{done} changed since the read (host {chosen.host})")
+        if done == "written_scoped":
+            failed = alloc.charge_scoped(conn, ask.tenant_id, charges)
+            if failed:  # this pool's own limits are reached: the next pool may take it
+                reasons.extend(alloc.quota_refusal(conn, ask.tenant_id, req.tenant, {}, failed, charges).reasons)
+                return "refused"
+        commit()
+        return records.vm
+
+
+def _write_step_by_step(ctl: Controller, conn: Tx, ask: Ask, req: VmRequest, pool: PoolRow,
+                        chosen: PlacementPlan | None, page: alloc.Candidates, charges: Mapping[tuple[str, str], int],
+                        cls: PriorityClass | None, dry_run: bool, reasons: list[dict[str, Any]]) -> ClaimResult | None:
+    """Charge, then take, then record, each step's answer read before the next (a refusal explained at the step
+    that decides it, a dry run rolled back): the result, or None with the pool's reasons added to `reasons`."""
+    with STORE.claims.write_on(conn) as commit:
+        failed = charge(conn, ask.tenant_id, req.tenant, ask.delta, charges)
+        if failed:  # this pool's own limits are reached: the next pool may take it
+            reasons.extend(alloc.quota_refusal(conn, ask.tenant_id, req.tenant, {}, failed, charges).reasons)
+            return None
+        if chosen is None:
+            reasons.append(_capacity_reason(ctl, conn, ask, pool))
+            return None
+        take_places(conn, req, chosen, page)
+        if dry_run:
+            return Planned(placement_of(chosen, page, pool.name))
+        assert cls is not None
+        vm = record_vm(ctl, conn, ask.tenant_id, req, pool, chosen, page, ask.delta, charges, cls)
+        commit()
+        return Claimed(vm)
 
 
 def _plan_in_pool(ctl: Controller, conn: Tx, preq: PlacementRequest, pool: PoolRow,
@@ -343,16 +394,21 @@ def charge(conn: Tx, tenant_id: int, tenant: str, delta: Mapping[str, int],
 
 def take(conn: Tx, tenant_id: int, req: VmRequest, chosen: PlacementPlan,
          page: alloc.Candidates) -> PriorityClass:
-    """Take the plan's host capacity and GPU positions by compare-and-set (ClaimConflict when the host, a GPU
-    or the request's anti-affinity group changed since `page` was read); the request's priority class."""
+    """Take the plan's host capacity and GPU positions (`take_places`); the request's priority class."""
     from vgpu_ctl.service import scheduling
     cls = scheduling.resolve(conn, tenant_id, req.tenant, req.priority)
+    take_places(conn, req, chosen, page)
+    return cls
+
+
+def take_places(conn: Tx, req: VmRequest, chosen: PlacementPlan, page: alloc.Candidates) -> None:
+    """Take the plan's host capacity and GPU positions by compare-and-set (ClaimConflict when the host, a GPU
+    or the request's anti-affinity group changed since `page` was read)."""
     alloc.claim_host(conn, chosen.host_id, req.vcpus, req.memory_mib)  # the host row's lock orders its claims
     if req.anti_affinity and alloc.group_on_host(conn, req.anti_affinity, chosen.host_id):
         raise alloc.ClaimConflict(f"anti-affinity group {req.anti_affinity!r} placed on host {chosen.host}")
     for gid, occ in sorted(chosen.occupancies.items()):  # GPU rows locked in id order, as on release
         alloc.write_gpu(conn, gid, page.versions[gid], occ)
-    return cls
 
 
 def placement_of(chosen: PlacementPlan, page: alloc.Candidates, pool: str) -> Placement:
@@ -423,13 +479,12 @@ def write_records(conn: Tx, vm_rows: Sequence[Mapping[str, Any]], records: Seque
     statement per kind for all of them, sent together (one round trip on PostgreSQL; a name taken or a position
     held is raised at the end); their VMs."""
     with STORE.claims.together(conn):
-        STORE.claims.add_vms(conn, vm_rows)
-        STORE.candidates.insert_devices(conn, [d for r in records for d in r.devices])  # the overlap trigger guards
-        STORE.vm_sched.add_vm_scheds(conn, [r.sched for r in records])
-        STORE.events.add_events(conn, [r.event for r in records])
+        STORE.claims.insert_claims(conn, vm_rows, [d for r in records for d in r.devices],
+                                   [r.sched for r in records], [r.event for r in records])
     return [r.vm for r in records]
 
 
 __all__ = ["MAX_RETRIES", "AlreadyMade", "Ask", "ClaimRecords", "ClaimResult", "Claimed", "Planned", "all_pools",
            "charge", "charge_of", "check_profiles", "claim", "claim_records", "framebuffer", "placement_of",
-           "pool_policy", "pool_row", "read_ask", "record_vm", "scoped_charges", "take", "vm_row", "write_records"]
+           "pool_policy", "pool_row", "read_ask", "record_vm", "scoped_charges", "take", "take_places", "vm_row",
+           "write_records"]
