@@ -66,10 +66,16 @@ def _occupancy(catalog: Catalog, model: str, mode: str, mig_layout: str, layout:
     return Occupancy(geom, decode_layout(layout), pinned_type, fixed)
 
 
-def pool_offers(conn: Tx, catalog: Catalog, pool_id: int, profile: str) -> bool:
-    """True when some GPU of the pool, by its model and mode, can hold `profile` (indexed lookups)."""
-    return any(STORE.candidates.pool_has(conn, pool_id, c.model, c.mode)
-               for c in placeables(catalog, frozenset((profile,))))
+def pool_offers(conn: Tx, catalog: Catalog, asked: Sequence[tuple[int, str]]) -> dict[tuple[int, str], bool]:
+    """For each (pool id, profile): whether some GPU of the pool, by its model and mode, can hold the profile
+    (indexed lookups, read together)."""
+    wanted = [(pool_id, profile, c) for pool_id, profile in asked
+              for c in placeables(catalog, frozenset((profile,)))]
+    has = STORE.candidates.pools_have(conn, [(pool_id, c.model, c.mode) for pool_id, _, c in wanted])
+    offers = dict.fromkeys(asked, False)
+    for (pool_id, profile, _), found in zip(wanted, has, strict=True):
+        offers[(pool_id, profile)] = offers[(pool_id, profile)] or found
+    return offers
 
 
 def order_rank(order: CandidateOrder, free_units: int, gpu_id: int) -> tuple[int, ...]:
@@ -168,9 +174,10 @@ def _host_pages(conn: Tx, catalog: Catalog, req: PlacementRequest, pool_id: int,
         bounds = PageBounds(pool_id, req.vcpus, req.memory_mib, HOST_PAGE, offset, len(req.profiles)) \
             if len(targets) == 1 else PageBounds(pool_id, req.vcpus, req.memory_mib, offset + HOST_PAGE, 0,
                                                  len(req.profiles))
-        for c in targets:  # a host found through two placeables comes with the same GPUs twice: kept once
+        # a host found through two placeables comes with the same GPUs twice: kept once
+        for page in STORE.candidate_pages.summary_pages(conn, order, labels, widest, targets, bounds):
             found: dict[int, list[CandidateRow]] = {}
-            for row, width, host_key in STORE.candidate_pages.summary_page(conn, order, labels, widest, c, bounds):
+            for row, width, host_key in page:
                 found.setdefault(row.host_id, []).append(row)
                 k = key(width, host_key, row.host_id)
                 keys[row.host_id] = min(keys.get(row.host_id, k), k)
@@ -224,8 +231,8 @@ def _gpu_pages(conn: Tx, catalog: Catalog, req: PlacementRequest, pool_id: int, 
             # order as their OR, which SQLite can only answer by reading and sorting every matching GPU).
             bounds = PageBounds(pool_id, req.vcpus, req.memory_mib, offset + PAGE)
             merged: dict[int, CandidateRow] = {}
-            for c in targets:
-                for row in STORE.candidate_pages.gpu_page(conn, order, labels, c, bounds):
+            for page in STORE.candidate_pages.gpu_pages(conn, order, labels, targets, bounds):
+                for row in page:
                     merged.setdefault(row.id, row)
             rows = sorted(merged.values(), key=order_key)[offset:offset + PAGE] if len(targets) > 1 \
                 else list(merged.values())[offset:]

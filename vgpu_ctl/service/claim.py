@@ -92,6 +92,7 @@ class Ask:
     delta: dict[str, int]
     preq: PlacementRequest
     pool_names: dict[int, str]
+    any_class: bool  # whether the store holds any priority class
 
 
 # -- reading the request ----------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def check_profiles(conn: Tx | None, catalog: Catalog, req: VmRequest, pools: Seq
     if not offers_too:
         return list(pools)
     assert conn is not None, "asking whether pools offer the profiles reads the store"
-    offers = {(p.id, w): alloc.pool_offers(conn, catalog, p.id, w) for p in pools for w in wanted}
+    offers = alloc.pool_offers(conn, catalog, [(p.id, w) for p in pools for w in wanted])
     for profile in wanted:
         if not any(offers[(p.id, profile)] for p in pools):
             where = f"pool {pools[0].name!r}" if len(pools) == 1 else "any pool"
@@ -173,16 +174,17 @@ def read_ask(ctl: Controller, conn: Tx, req: VmRequest, offers_too: bool = True)
     """What the claim needs to know of the store, or the VM the request's idempotency key already made.
     Without `offers_too` a named pool is not asked whether it offers the profiles (a plan there proves it; the
     claim asks only when none is found)."""
-    t = ctl._tenant_id(conn, req.tenant)
-    made = _by_key(conn, t, req.idempotency_key) if req.idempotency_key else None
-    if made is not None:
-        return made
-    pools = [pool_row(conn, req.pool)] if req.pool else all_pools(conn)
-    pools = check_profiles(conn, ctl.catalog, req, pools, offers_too or not req.pool)
+    read = STORE.claims.read_claim(conn, req.tenant, req.pool or None, req.idempotency_key or None)
+    t = ctl._visible_tenant(req.tenant, read.tenant_id)
+    if read.made is not None:
+        return AlreadyMade(read.made)
+    if req.pool and not read.pools:
+        pool_row(conn, req.pool)  # NotFound naming the known pools
+    pools = check_profiles(conn, ctl.catalog, req, read.pools, offers_too or not req.pool)
     profiles = req.profiles()
     delta = charge_of(ctl.catalog, profiles, req.vcpus, req.memory_mib)
     preq = PlacementRequest(profiles, req.vcpus, req.memory_mib, req.labels, req.anti_affinity)
-    return Ask(t, pools, profiles, delta, preq, {p.id: p.name for p in pools})
+    return Ask(t, pools, profiles, delta, preq, {p.id: p.name for p in pools}, read.any_class)
 
 
 # -- the claim --------------------------------------------------------------------------------------------------
@@ -221,14 +223,8 @@ def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
     """The tenant's VM made with the request's idempotency key, if there is one."""
     assert req.idempotency_key is not None
     with ctl.engine.connect() as conn:
-        made = _by_key(conn, ctl._tenant_id(conn, req.tenant), req.idempotency_key)
+        vm_id = STORE.claims.vm_by_key(conn, ctl._tenant_id(conn, req.tenant), req.idempotency_key)
         STORE.claims.end_read_on(conn)
-    return made
-
-
-def _by_key(conn: Tx, tenant_id: int, key: str) -> AlreadyMade | None:
-    """The tenant's VM made with idempotency key `key`, read on `conn`, if there is one."""
-    vm_id = STORE.claims.vm_by_key(conn, tenant_id, key)
     return None if vm_id is None else AlreadyMade(vm_id)
 
 
@@ -247,7 +243,7 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
             if chosen is None and req.pool:  # the named pool was not asked whether it offers the profiles
                 check_profiles(conn, ctl.catalog, req, ask.pools)
             if chosen is not None and cls is None:  # in the read: the write only sends and checks
-                cls = scheduling.resolve(conn, ask.tenant_id, req.tenant, req.priority)
+                cls = scheduling.resolve(conn, ask.tenant_id, req.tenant, req.priority, ask.any_class)
             STORE.claims.read_to_write(conn)
             charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
             with ctl.write_turn():

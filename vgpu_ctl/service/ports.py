@@ -15,7 +15,7 @@ from vgpu_ctl.core.placement import CandidateOrder
 from vgpu_ctl.store.candidate_pages import BareHostRow, CandidateRow, PageBounds, SummaryRow
 from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
-from vgpu_ctl.store.claims import ClaimError, ClaimOutcome, ClaimWrite, GpuAfter, PoolRow
+from vgpu_ctl.store.claims import ClaimError, ClaimOutcome, ClaimRead, ClaimWrite, GpuAfter, PoolRow
 from vgpu_ctl.store.events import EventRow, NewEvent
 from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
 from vgpu_ctl.store.fleet import FleetRows
@@ -97,17 +97,19 @@ class CandidatePageStore(Protocol):
     """Placement's candidate pages: GPUs or whole hosts of a pool that can take a request now, in a policy's
     order, each page its own rows' cost."""
 
-    def gpu_page(self, tx: Tx, order: CandidateOrder, labels: bool, target: Placeable,
-                 bounds: PageBounds) -> list[CandidateRow]:
-        """The first GPUs of the pool that can take the placeable, on hosts with room, in the policy's order."""
+    def gpu_pages(self, tx: Tx, order: CandidateOrder, labels: bool, targets: Sequence[Placeable],
+                  bounds: PageBounds) -> list[list[CandidateRow]]:
+        """For each placeable, the first GPUs of the pool that can take it, on hosts with room, in the policy's
+        order (read together)."""
 
     def grouped_host_page(self, tx: Tx, order: CandidateOrder, labels: bool, targets: tuple[Placeable, ...],
                           bounds: PageBounds) -> list[CandidateRow]:
         """The matching GPUs of a page of hosts with enough GPUs able to take one of the placeables."""
 
-    def summary_page(self, tx: Tx, order: CandidateOrder, labels: bool, widest: bool, target: Placeable,
-                     bounds: PageBounds) -> list[SummaryRow]:
-        """Every GPU in the pool of a page of whole hosts, from their summaries, with each host's width and key."""
+    def summary_pages(self, tx: Tx, order: CandidateOrder, labels: bool, widest: bool, targets: Sequence[Placeable],
+                      bounds: PageBounds) -> list[list[SummaryRow]]:
+        """For each placeable, every GPU in the pool of a page of whole hosts, from their summaries, with each
+        host's width and key (read together)."""
 
     def bare_host_page(self, tx: Tx, order: CandidateOrder, labels: bool, bounds: PageBounds) -> list[BareHostRow]:
         """A page of the pool's hosts with room for a request without vGPUs."""
@@ -123,8 +125,8 @@ class CandidatePageStore(Protocol):
 class CandidateStore(Protocol):
     """A claim's GPU and device rows: pools' offers, GPUs' compare-and-set, device rows."""
 
-    def pool_has(self, tx: Tx, pool_id: int, model: str, mode: str) -> bool:
-        """Whether the pool holds a GPU of this model in this mode."""
+    def pools_have(self, tx: Tx, wanted: Sequence[tuple[int, str, str]]) -> list[bool]:
+        """For each (pool id, model, mode): whether the pool holds a GPU of this model in this mode."""
 
     def write_gpu(self, tx: Tx, gpu_id: int, version: int, state: Mapping[str, Any]) -> bool:
         """Store a GPU's state columns if its version is still `version`; whether it did."""
@@ -189,6 +191,9 @@ class ClaimStore(Protocol):
 
     def vm_by_key(self, tx: Tx, tenant_id: int, key: str) -> str | None:
         """The id of the tenant's VM made with an idempotency key."""
+
+    def read_claim(self, tx: Tx, tenant: str, pool: str | None, key: str | None) -> ClaimRead:
+        """A claim's first read (tenant, VM made by the key, pools, whether any priority class), sent together."""
 
     def add_vms(self, tx: Tx, rows: Sequence[Mapping[str, Any]]) -> None:
         """Insert VM rows in one statement."""

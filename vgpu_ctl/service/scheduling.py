@@ -279,10 +279,14 @@ def delete_account(conn: Tx, actor: str, name: str) -> None:
 
 # -- admission: a VM's priority and charge ----------------------------------------------------------------------
 
-def resolve(conn: Tx, tenant_id: int, tenant: str, requested: str | None) -> PriorityClass:
+def resolve(conn: Tx, tenant_id: int, tenant: str, requested: str | None,
+            any_class: bool | None = None) -> PriorityClass:
     """The class a request of the tenant gets (see `core.priority.resolve_class`); InvalidInput naming the field
-    priority for an unknown or disallowed class."""
-    known = classes(conn) if requested is not None or STORE.scheduling.any_class(conn) else {}
+    priority for an unknown or disallowed class. `any_class`: whether the store holds a class, if the caller
+    has read it (else it is read here)."""
+    if requested is None and any_class is None:
+        any_class = STORE.scheduling.any_class(conn)
+    known = classes(conn) if requested is not None or any_class else {}
     if not known and requested is None:
         return NO_CLASS
     ts = tenant_settings(conn, tenant_id)

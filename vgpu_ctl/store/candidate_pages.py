@@ -16,7 +16,7 @@ from sqlalchemy import BigInteger, Float, Integer, and_, bindparam, cast, exists
 
 from vgpu_ctl.core.placeables import Placeable
 from vgpu_ctl.core.placement import CandidateOrder
-from vgpu_ctl.store.prepared import Prepared
+from vgpu_ctl.store.prepared import Prepared, sent_together
 from vgpu_ctl.store.tables import GPU, HOST, HOST_FIT
 from vgpu_ctl.store.unit import Tx
 
@@ -172,12 +172,15 @@ def _page_query(order: CandidateOrder, labels: bool) -> Prepared:
                     .limit(bindparam("page_limit", type_=Integer)))
 
 
-def gpu_page(tx: Tx, order: CandidateOrder, labels: bool, target: Placeable,
-             bounds: PageBounds) -> list[CandidateRow]:
-    """The first `page_limit` GPUs of the pool that can take the placeable, on hosts with room for the request,
-    in the policy's order (labels read only when `labels`)."""
-    return [CandidateRow._make(t) for t in _page_query(order, labels).run(
-        tx, {**bounds._asdict(), **_match_params(target)}).fetchall()]
+def gpu_pages(tx: Tx, order: CandidateOrder, labels: bool, targets: Sequence[Placeable],
+              bounds: PageBounds) -> list[list[CandidateRow]]:
+    """For each placeable: the first `page_limit` GPUs of the pool that can take it, on hosts with room for the
+    request, in the policy's order (labels read only when `labels`); the pages read together (one round trip on
+    PostgreSQL)."""
+    query = _page_query(order, labels)
+    with sent_together(tx):
+        found = [query.run(tx, {**bounds._asdict(), **_match_params(c)}) for c in targets]
+    return [[CandidateRow._make(t) for t in cur.fetchall()] for cur in found]
 
 
 @lru_cache(maxsize=1024)
@@ -226,12 +229,15 @@ def _summary_query(order: CandidateOrder, labels: bool, widest: bool) -> Prepare
                                  .join(HOST, HOST.c.id == GPU.c.host_id)))
 
 
-def summary_page(tx: Tx, order: CandidateOrder, labels: bool, widest: bool, target: Placeable,
-                 bounds: PageBounds) -> list[SummaryRow]:
-    """Every GPU in the pool of a page of whole hosts that have `ndev` GPUs able to take the placeable, read
-    from the hosts' summaries, with each host's width and key in the policy's order (`widest`: pack's)."""
-    return [SummaryRow(CandidateRow._make(t[:-2]), t[-2], t[-1]) for t in _summary_query(order, labels, widest).run(
-        tx, {**bounds._asdict(), **_match_params(target)}).fetchall()]
+def summary_pages(tx: Tx, order: CandidateOrder, labels: bool, widest: bool, targets: Sequence[Placeable],
+                  bounds: PageBounds) -> list[list[SummaryRow]]:
+    """For each placeable: every GPU in the pool of a page of whole hosts that have `ndev` GPUs able to take it,
+    read from the hosts' summaries, with each host's width and key in the policy's order (`widest`: pack's); the
+    pages read together (one round trip on PostgreSQL)."""
+    query = _summary_query(order, labels, widest)
+    with sent_together(tx):
+        found = [query.run(tx, {**bounds._asdict(), **_match_params(c)}) for c in targets]
+    return [[SummaryRow(CandidateRow._make(t[:-2]), t[-2], t[-1]) for t in cur.fetchall()] for cur in found]
 
 
 @lru_cache(maxsize=8)
@@ -271,4 +277,4 @@ def lacked_types(tx: Tx, pool_ids: Sequence[int], host_ids: Sequence[int] | None
 
 
 __all__ = ["GPU_COLUMNS", "HOST_COLUMNS", "BareHostRow", "CandidateRow", "PageBounds", "SummaryRow", "bare_host_page",
-           "gpu_page", "grouped_host_page", "lacked_types", "pool_gpus", "summary_page"]
+           "gpu_pages", "grouped_host_page", "lacked_types", "pool_gpus", "summary_pages"]

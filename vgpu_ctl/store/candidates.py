@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import BigInteger, Integer, bindparam, select, update
 
-from vgpu_ctl.store.prepared import Prepared, insert_all
+from vgpu_ctl.store.prepared import Prepared, insert_all, sent_together
 from vgpu_ctl.store.tables import DEVICE, GPU
 from vgpu_ctl.store.unit import Tx
 
@@ -37,9 +37,12 @@ _OFFER = Prepared(select(GPU.c.id).where(GPU.c.pool_id == bindparam("pool_id", t
                   .limit(1))
 
 
-def pool_has(tx: Tx, pool_id: int, model: str, mode: str) -> bool:
-    """Whether the pool holds a GPU of this model in this mode (an indexed lookup)."""
-    return _OFFER.run(tx, {"pool_id": pool_id, "c_model": model, "c_mode": mode}).fetchone() is not None
+def pools_have(tx: Tx, wanted: Sequence[tuple[int, str, str]]) -> list[bool]:
+    """For each (pool id, model, mode): whether the pool holds a GPU of this model in this mode (indexed
+    lookups, sent together: one round trip on PostgreSQL)."""
+    with sent_together(tx):
+        found = [_OFFER.run(tx, {"pool_id": p, "c_model": model, "c_mode": mode}) for p, model, mode in wanted]
+    return [cur.fetchone() is not None for cur in found]
 
 
 def unlacked(fits: Any) -> Any:
@@ -84,6 +87,6 @@ def delete_devices(tx: Tx, device_ids: Sequence[str]) -> None:
     tx.execute(DEVICE.delete().where(DEVICE.c.id.in_(list(device_ids))))
 
 
-__all__ = ["GPU_STATE_COLUMNS", "GpuStateRow", "delete_devices", "gpu_state_row", "insert_devices", "pool_has",
+__all__ = ["GPU_STATE_COLUMNS", "GpuStateRow", "delete_devices", "gpu_state_row", "insert_devices", "pools_have",
            "unlacked", "write_gpu",
            "write_gpu_sent"]

@@ -20,7 +20,9 @@ from vgpu_ctl.store.candidates import insert_devices, write_gpu_sent
 from vgpu_ctl.store.charges import charge_tenant_sent, claim_host_sent, group_on_host_sent
 from vgpu_ctl.store.events import NewEvent, add_events
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all, sent_together
-from vgpu_ctl.store.tables import GPU, POOL, VM
+from vgpu_ctl.store.scheduling import any_class_sent
+from vgpu_ctl.store.tables import GPU, POOL, TENANT, VM
+from vgpu_ctl.store.tenants import tenant_id_sent
 from vgpu_ctl.store.unit import Tx
 from vgpu_ctl.store.vm_sched import VmSchedRow, add_vm_scheds
 
@@ -42,6 +44,32 @@ _POOL_NAMES = Prepared(select(POOL.c.name).order_by(POOL.c.name))
 _INSERT_VM = insert_all(VM)
 _VM_BY_KEY = Prepared(select(VM.c.id).where(VM.c.tenant_id == bindparam("t_id", type_=Integer),
                                             VM.c.idempotency_key == bindparam("key")))
+_VM_BY_TENANT_KEY = Prepared(select(VM.c.id).join(TENANT, TENANT.c.id == VM.c.tenant_id).where(
+    TENANT.c.name == bindparam("tenant"), VM.c.idempotency_key == bindparam("key")))
+
+
+class ClaimRead(NamedTuple):
+    """What a claim reads before it plans: the tenant's id (None: no such tenant), the id of its VM made with
+    the request's idempotency key, the named pool (empty: no such pool) or every pool, and whether there is
+    any priority class."""
+
+    tenant_id: int | None
+    made: str | None
+    pools: list[PoolRow]
+    any_class: bool
+
+
+def read_claim(tx: Tx, tenant: str, pool: str | None, key: str | None) -> ClaimRead:
+    """The claim's first read, its statements sent together (one round trip on PostgreSQL, none of them needing
+    another's answer)."""
+    with sent_together(tx):
+        t_id = tenant_id_sent(tx, tenant)
+        made = _VM_BY_TENANT_KEY.rows_sent(tx, {"tenant": tenant, "key": key}) if key is not None else None
+        pools = _POOL_BY_NAME.rows_sent(tx, {"name": pool}) if pool is not None else _ALL_POOLS.rows_sent(tx)
+        classes = any_class_sent(tx)
+    made_rows = made() if made is not None else []
+    return ClaimRead(t_id(), str(made_rows[0][0]) if made_rows else None, [PoolRow(*r) for r in pools()],
+                     classes())
 
 
 def pool_row(tx: Tx, name: str) -> PoolRow | None:

@@ -64,9 +64,19 @@ class Prepared:
     def rows(self, conn: Connection, params: Mapping[str, Any] | None = None) -> list[Any]:
         """The result rows, as named tuples (attributes named as the selected columns), values converted
         as SQLAlchemy would (JSON decoded, ...)."""
+        return self.rows_sent(conn, params)()
+
+    def rows_sent(self, conn: Connection, params: Mapping[str, Any] | None = None) -> Callable[[], list[Any]]:
+        """`rows` sent (inside `sent_together`, with others); its rows are read by the callable it returns,
+        after the block."""
         assert self._row is not None, "rows() of a statement that selects nothing"
         c = self._for(conn.dialect)
         cur = _execute(conn, c, _bind(c, params or {}))
+        return lambda: self._converted(conn, cur)
+
+    def _converted(self, conn: Connection, cur: Any) -> list[Any]:
+        make = self._row
+        assert make is not None
         raw = cur.fetchall()
         key = (conn.dialect.name, conn.dialect.driver)
         results = self._results.get(key)
@@ -75,7 +85,6 @@ class Prepared:
             results = self._results[key] = tuple(
                 col.type.dialect_impl(conn.dialect).result_processor(conn.dialect, desc[1])
                 for col, desc in zip(columns, cur.description, strict=True))
-        make = self._row
         if not any(results):
             return [make(t) for t in raw]
         return [make(v if f is None else f(v) for f, v in zip(results, t, strict=True)) for t in raw]

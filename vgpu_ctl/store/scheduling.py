@@ -5,7 +5,7 @@ preemption plans from (the VMs it could free, their devices, charges and their t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -88,7 +88,13 @@ def class_rows(tx: Tx) -> list[ClassRow]:
 
 def any_class(tx: Tx) -> bool:
     """Whether there is any priority class."""
-    return _ANY_CLASS.run(tx).fetchone() is not None
+    return any_class_sent(tx)()
+
+
+def any_class_sent(tx: Tx) -> Callable[[], bool]:
+    """`any_class` sent (inside `sent_together`); its answer is read by the callable it returns."""
+    cur = _ANY_CLASS.run(tx)
+    return lambda: cur.fetchone() is not None
 
 
 def has_class(tx: Tx, name: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import NamedTuple
 
@@ -39,8 +40,17 @@ def tenant_name(tx: Tx, tenant_id: int) -> str | None:
 
 def tenant_id(tx: Tx, name: str) -> int | None:
     """The id of the tenant named `name`, if there is one."""
-    row = _ID.run(tx, {"name": name}).fetchone()
-    return int(row[0]) if row else None
+    return tenant_id_sent(tx, name)()
+
+
+def tenant_id_sent(tx: Tx, name: str) -> Callable[[], int | None]:
+    """`tenant_id` sent (inside `sent_together`); its answer is read by the callable it returns."""
+    cur = _ID.run(tx, {"name": name})
+
+    def answer() -> int | None:
+        row = cur.fetchone()
+        return int(row[0]) if row else None
+    return answer
 
 
 def tenant_by_name(tx: Tx, name: str) -> TenantRow | None:
