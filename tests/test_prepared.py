@@ -5,6 +5,7 @@ the caller's transaction."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -201,6 +202,26 @@ def test_statements_sent_together_write_in_order_and_raise_a_violation_as_sqlalc
         _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "c1"}))
     with engine.connect() as conn:
         assert _tenants(conn) == ["acme", "b1", "b2", "b3", "c1"]
+
+
+def test_a_violation_seen_inside_the_block_is_raised_once_and_the_pipeline_ends_quietly(
+        engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    # On PostgreSQL a statement's error can come back while later ones are still being sent (here forced by
+    # reading a result inside the block): it is the error raised, and the driver logs nothing about the
+    # pipeline it aborted.
+    names = Prepared(select(TENANT.c.name).order_by(TENANT.c.name))
+    with engine.begin() as conn:
+        _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "acme"}))
+    with caplog.at_level(logging.WARNING), engine.connect() as conn:
+        trans = conn.begin()
+        with pytest.raises(IntegrityError) as err, sent_together(conn):
+            _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "acme"}))  # taken
+            names.rows_sent(conn)()
+        assert isinstance(err.value.orig, engine.dialect.loaded_dbapi.IntegrityError)
+        trans.rollback()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    with engine.begin() as conn:  # the connection works on
+        assert names.rows(conn) == [("acme",)]
 
 
 def test_run_many(engine: Engine) -> None:

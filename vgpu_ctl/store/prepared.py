@@ -117,12 +117,21 @@ def sent_together(conn: Connection) -> Iterator[None]:
     if not hasattr(driver, "pipeline"):
         yield
         return
+    error = conn.dialect.loaded_dbapi.Error
+    failed: Exception | None = None
     try:
         with driver.pipeline():
-            yield
-    except conn.dialect.loaded_dbapi.Error as exc:
-        raise DBAPIError.instance("(statements sent together)", None, exc, conn.dialect.loaded_dbapi.Error,
-                                  dialect=conn.dialect) from exc
+            try:
+                yield
+            except (error, DBAPIError) as exc:  # a statement's error, seen early: the pipeline still ends cleanly
+                failed = exc
+    except error as exc:  # the first statement that failed, or (after one failed early) the pipeline aborted
+        failed = failed or exc
+    if isinstance(failed, DBAPIError):
+        raise failed
+    if failed is not None:
+        raise DBAPIError.instance("(statements sent together)", None, failed, error,
+                                  dialect=conn.dialect) from failed
 
 
 MAX_PARAMETERS = 999  # per statement: SQLite's limit before 3.32, far under PostgreSQL's 65,535
