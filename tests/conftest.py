@@ -104,6 +104,59 @@ def ctl(store_url: str, state_dir: Path) -> Iterator[Any]:
         c.close()
 
 
+@pytest.fixture
+def pg_acme(pg_url: str, state_dir: Path) -> Iterator[Any]:
+    """A Controller on a fresh PostgreSQL schema with inventory/demo.yaml applied and tenant acme."""
+    from vgpu_ctl import Controller
+    c = Controller(pg_url)
+    try:
+        c.apply_inventory(DEMO)
+        c.create_tenant("acme")
+        yield c
+    finally:
+        c.close()
+
+
+@contextmanager
+def libpq_trace(engine: Any, path: Path, when: Any = None) -> Iterator[None]:
+    """libpq's trace (regress mode, no timestamps) to `path` of every connection the engine checks out inside
+    the block (only while `when()` is true, if given), from its checkout to its checkin; the pool's pre-ping on
+    checkout comes before it."""
+    from psycopg import pq
+    from sqlalchemy import event
+
+    out = path.open("w")
+
+    def traced(dbapi: Any, _record: Any, _proxy: Any) -> None:
+        if when is None or when():
+            dbapi.pgconn.trace(out.fileno())
+            dbapi.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+
+    def untraced(dbapi: Any, _record: Any) -> None:
+        if dbapi is not None:
+            dbapi.pgconn.untrace()
+
+    event.listen(engine, "checkout", traced)
+    event.listen(engine, "checkin", untraced)
+    try:
+        yield
+    finally:
+        event.remove(engine, "checkout", traced)
+        event.remove(engine, "checkin", untraced)
+        out.close()
+
+
+def trace_messages(path: Path) -> list[str]:
+    """The messages of a libpq trace, each a line starting F (to the server) or B (from it); a statement's text
+    that goes on over several lines is left out."""
+    return [ln for ln in path.read_text().splitlines() if ln[:2] in ("F\t", "B\t")]
+
+
+def round_trips(messages: list[str]) -> int:
+    """The waits for the server in trace messages: each run of messages to it answered by one from it."""
+    return sum(a[0] == "F" and b[0] == "B" for a, b in itertools.pairwise(messages))
+
+
 def write_inventory(tmp_path: Path, text: str, name: str = "inv.yaml") -> Path:
     """Write an inventory file under tmp_path."""
     path = tmp_path / name

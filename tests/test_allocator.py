@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, check_store_invariants, write_inventory
+from conftest import DEMO, check_store_invariants, libpq_trace, round_trips, trace_messages, write_inventory
 from test_host_summaries import NARROW_FIRST
 
 from vgpu_ctl import Controller, NoCapacity, QuotaExceeded, VmInfo
@@ -177,8 +177,10 @@ def held_storm(ctl: Controller, allocator: Allocator, n: int, profile: str, **kw
     other callers have planned and queued theirs, so they are written as one batch."""
     gate = threading.Event()
     commit = allocator._commit
+    holding: list[int] = []
 
     def held(batch: Any) -> None:
+        holding.append(len(batch))
         gate.wait(30)
         commit(batch)
 
@@ -187,7 +189,7 @@ def held_storm(ctl: Controller, allocator: Allocator, n: int, profile: str, **kw
     storming = threading.Thread(target=lambda: out.update(storm([ctl], profile, n, **kw)))
     storming.start()
     for _ in range(3000):
-        if allocator._queue.qsize() >= n - 1:
+        if sum(holding) + allocator._queue.qsize() >= n:  # every claim held or queued
             break
         threading.Event().wait(0.01)
     gate.set()
@@ -210,6 +212,49 @@ def test_a_batch_is_written_as_one_and_a_loser_in_it_fails_alone(acme: Controlle
     assert all(isinstance(e, QuotaExceeded) for e in got["refused"]) and len(got["refused"]) == 3
     assert allocator.stats["split"] >= 1 and usage(acme)[("*", "vms")] == 9 and len(acme.list_vms("acme")) == 9
     check_store_invariants(acme.engine)
+
+
+def _batch_round_trips(ctl: Controller, allocator: Allocator, n: int, trace_to: Path) -> list[int]:
+    """A held storm of `n` (`held_storm`), the committer's connections traced with libpq: the round trips of each
+    transaction it wrote (from its BEGIN to its COMMIT, the pool's pre-ping before the trace not counted)."""
+    committing = threading.local()
+    commit = allocator._commit
+
+    def traced_commit(batch: Any) -> None:
+        committing.on = True
+        try:
+            commit(batch)
+        finally:
+            committing.on = False
+
+    allocator._commit = traced_commit  # type: ignore[method-assign]
+    try:
+        with libpq_trace(ctl.engine, trace_to, when=lambda: getattr(committing, "on", False)):
+            got = held_storm(ctl, allocator, n, "1g.10gb", prefix=f"b{n}-")
+    finally:
+        allocator._commit = commit  # type: ignore[method-assign]
+    assert got["other"] == got["refused"] == [] and len(got["placed"]) == n
+    counts, start = [], 0
+    messages = trace_messages(trace_to)
+    for at, m in enumerate(messages):
+        if m.startswith("B") and "ReadyForQuery\t I" in m:  # idle: the transaction ended
+            counts.append(round_trips(messages[start:at + 1]))
+            start = at + 1
+    return counts
+
+
+@pytest.mark.postgres
+def test_on_postgres_a_batch_is_written_in_round_trips_that_do_not_grow_with_it(
+        pg_acme: Controller, tmp_path: Path) -> None:
+    ctl = pg_acme
+    allocator = served(ctl)
+    req(ctl, "warm", "1g.10gb")  # statements compiled, the pool's connections made
+    small = _batch_round_trips(ctl, allocator, 2, tmp_path / "two.txt")
+    large = _batch_round_trips(ctl, allocator, 7, tmp_path / "seven.txt")
+    assert allocator.stats["split"] == 0
+    # BEGIN, whether any priority class, every write of the batch together, COMMIT: however many claims
+    assert max(small) == max(large) == 4, (small, large)
+    check_store_invariants(ctl.engine)
 
 
 def test_plans_on_a_gpu_that_do_not_follow_each_other_go_claim_by_claim(acme: Controller) -> None:

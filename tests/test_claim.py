@@ -6,13 +6,19 @@ run writes nothing; the results are typed."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, assert_unchanged_but_refusal, check_store_invariants, store_snapshot
+from conftest import (
+    assert_unchanged_but_refusal,
+    check_store_invariants,
+    libpq_trace,
+    round_trips,
+    store_snapshot,
+    trace_messages,
+)
 from sqlalchemy import update
 
 from vgpu_ctl import Conflict, Controller, InvalidInput, NoCapacity, Placement, QuotaExceeded, VmInfo
@@ -310,42 +316,29 @@ def test_dry_run_never_writes(acme: Controller, state_dir: Path) -> None:
 
 @pytest.mark.postgres
 def test_on_postgres_a_claim_is_six_round_trips_its_write_two_in_the_reads_read_committed_transaction(
-        pg_url: str, state_dir: Path, tmp_path: Path) -> None:
-    from psycopg import pq
+        pg_acme: Controller, tmp_path: Path) -> None:
     from sqlalchemy import event
 
-    ctl = Controller(pg_url)
-    try:
-        ctl.apply_inventory(DEMO)
-        ctl.create_tenant("acme")
-        req(ctl, "warm", "A100D-10C")  # statements compiled, pool connection made
-        trace = (tmp_path / "trace.txt").open("w")
+    ctl = pg_acme
+    req(ctl, "warm", "A100D-10C")  # statements compiled, pool connection made
 
-        @event.listens_for(ctl.engine, "checkout")
-        def traced(dbapi: Any, _record: Any, _proxy: Any) -> None:
-            assert dbapi.execute("SHOW transaction_isolation").fetchone()[0] == "read committed"
-            dbapi.rollback()
-            dbapi.pgconn.trace(trace.fileno())
-            dbapi.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+    @event.listens_for(ctl.engine, "checkout")
+    def isolation(dbapi: Any, _record: Any, _proxy: Any) -> None:  # before the trace starts
+        assert dbapi.execute("SHOW transaction_isolation").fetchone()[0] == "read committed"
+        dbapi.rollback()
 
+    with libpq_trace(ctl.engine, tmp_path / "trace.txt"):
         req(ctl, "a", "A100D-10C")
-        event.remove(ctl.engine, "checkout", traced)
-        ctl.engine.dispose()
-        trace.close()
-        lines = (tmp_path / "trace.txt").read_text().splitlines()
-        assert not any('"ROLLBACK"' in ln for ln in lines)  # no ROLLBACK and BEGIN between the read and the write
-        write = next(i for i, ln in enumerate(lines) if '"UPDATE tenant' in ln)
-        directions = [ln.split("\t")[0] for ln in lines]
-        read, written = (sum(a == "F" and b == "B" for a, b in itertools.pairwise(part))
-                         for part in (directions[:write], directions[write:]))
-        # BEGIN; the tenant, pools and whether any priority class; the pools' offers of the profile; the host
-        # pages of the profile's two placeables (the demo's A100s in equal- and mixed-size mode), each together
-        assert read == 4
-        assert written == 2  # every write of the claim together, then COMMIT
-        assert [v.state for v in ctl.list_vms("acme") if v.name == "a"] == ["placed"]
-        check_store_invariants(ctl.engine)
-    finally:
-        ctl.close()
+    event.remove(ctl.engine, "checkout", isolation)
+    messages = trace_messages(tmp_path / "trace.txt")
+    assert not any('"ROLLBACK"' in m for m in messages)  # no ROLLBACK and BEGIN between the read and the write
+    write = next(i for i, m in enumerate(messages) if '"UPDATE tenant' in m)
+    # BEGIN; the tenant, pools and whether any priority class; the pools' offers of the profile; the host
+    # pages of the profile's two placeables (the demo's A100s in equal- and mixed-size mode), each together
+    assert round_trips(messages[:write]) == 4
+    assert round_trips(messages[write:]) == 2  # every write of the claim together, then COMMIT
+    assert [v.state for v in ctl.list_vms("acme") if v.name == "a"] == ["placed"]
+    check_store_invariants(ctl.engine)
 
 
 def test_a_name_taken_while_over_quota_is_refused_for_the_quota(acme: Controller) -> None:

@@ -52,7 +52,7 @@ from vgpu_ctl.service import claim as claims
 from vgpu_ctl.service.fit_masks import lacked_bits
 from vgpu_ctl.service.ports import STORE, Tx
 from vgpu_ctl.service.requests import VmInfo, VmRequest
-from vgpu_ctl.store.claims import GpuAfter
+from vgpu_ctl.store.claims import BatchWrite, GpuAfter
 
 if TYPE_CHECKING:
     from vgpu_ctl.core.priority import PriorityClass
@@ -535,8 +535,9 @@ class Allocator:
 
     @staticmethod
     def _write_all(tx: Tx, batch: Sequence[_Claim], gpus: Sequence[GpuAfter]) -> list[VmInfo]:
-        """The batch's writes in `tx` (raising at the first conditional update that fails); its VMs. Rows are
-        locked tenants, then hosts, then GPUs, each in id order, as a single claim locks them."""
+        """The batch's writes in `tx`, sent together (`write_batch`; ClaimConflict when a conditional update
+        does not pass); its VMs. The priority classes are read first, the store asked once whether it holds
+        any."""
         from vgpu_ctl.service import scheduling
         tenants: dict[int, tuple[dict[str, int], dict[tuple[str, str], int]]] = {}
         hosts: dict[int, list[int]] = {}
@@ -549,26 +550,26 @@ class Allocator:
             used = hosts.setdefault(item.chosen.host_id, [0, 0])
             used[0] += item.req.vcpus
             used[1] += item.req.memory_mib
-        for t_id in sorted(tenants):
-            delta, charges = tenants[t_id]
-            charged = alloc.charge_tenant(tx, t_id, delta)
-            if charged is alloc.TenantCharge.OVER_LIMIT or (
-                    charged is alloc.TenantCharge.CHARGED_SCOPED and alloc.charge_scoped(tx, t_id, charges)):
-                raise alloc.ClaimConflict(f"tenant {t_id}: the batch passes a limit")
+        any_class = STORE.scheduling.any_class(tx)
         classes: dict[tuple[int, str, str | None], PriorityClass] = {}
         for item in batch:
             key = (item.tenant_id, item.req.tenant, item.req.priority)
             if key not in classes:
-                classes[key] = scheduling.resolve(tx, *key)
-        for h_id in sorted(hosts):
-            alloc.claim_host(tx, h_id, *hosts[h_id])
-        if not STORE.claims.write_gpus_after(tx, gpus):
-            raise alloc.ClaimConflict("a GPU changed")
+                classes[key] = scheduling.resolve(tx, *key, any_class)
         rows = [claims.vm_row(i.tenant_id, i.req, i.pool.row, i.chosen, i.delta, i.charges) for i in batch]
-        return claims.write_records(tx, rows, [
-            claims.claim_records(i.ctl, row, i.req, i.pool.row, i.chosen, i.page,
-                                 classes[(i.tenant_id, i.req.tenant, i.req.priority)])
-            for i, row in zip(batch, rows, strict=True)])
+        records = [claims.claim_records(i.ctl, row, i.req, i.pool.row, i.chosen, i.page,
+                                        classes[(i.tenant_id, i.req.tenant, i.req.priority)])
+                   for i, row in zip(batch, rows, strict=True)]
+        scoped = STORE.claims.write_batch(tx, BatchWrite(
+            [(t_id, delta) for t_id, (delta, _) in tenants.items()], [(h, v, m) for h, (v, m) in hosts.items()],
+            gpus, rows, [d for r in records for d in r.devices], [r.sched for r in records],
+            [r.event for r in records]))
+        if scoped is None:
+            raise alloc.ClaimConflict("the batch passes a limit, or a host or GPU changed")
+        for t_id in scoped:
+            if alloc.charge_scoped(tx, t_id, tenants[t_id][1]):
+                raise alloc.ClaimConflict(f"tenant {t_id}: the batch passes a pool-scoped limit")
+        return [r.vm for r in records]
 
     @staticmethod
     def _write_one(tx: Tx, item: _Claim) -> None:

@@ -15,7 +15,7 @@ from vgpu_ctl.core.placement import CandidateOrder
 from vgpu_ctl.store.candidate_pages import BareHostRow, CandidateRow, PageBounds, SummaryRow
 from vgpu_ctl.store.candidates import GpuStateRow
 from vgpu_ctl.store.charges import ScopedUse
-from vgpu_ctl.store.claims import ClaimError, ClaimOutcome, ClaimRead, ClaimWrite, GpuAfter, PoolRow
+from vgpu_ctl.store.claims import BatchWrite, ClaimError, ClaimOutcome, ClaimRead, ClaimWrite, PoolRow
 from vgpu_ctl.store.events import EventRow, NewEvent
 from vgpu_ctl.store.fit_masks import MaskRow, SummaryKey
 from vgpu_ctl.store.fleet import FleetRows
@@ -208,8 +208,9 @@ class ClaimStore(Protocol):
     def write_claim(self, tx: Tx, w: ClaimWrite) -> ClaimOutcome:
         """Every write of one claim sent together; what its conditional updates did."""
 
-    def write_gpus_after(self, tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
-        """Store GPUs' states after a batch by compare-and-set; False at the first that changed."""
+    def write_batch(self, tx: Tx, w: BatchWrite) -> list[int] | None:
+        """Every write of a group commit sent together; None if a conditional update did not pass, else the
+        tenants with pool-scoped limits still to charge."""
 
     def end_read_on(self, tx: Tx) -> None:
         """End the read's transaction on `tx`."""

@@ -189,15 +189,37 @@ _WRITE_GPU_AFTER = Prepared(update(GPU).where(GPU.c.id == bindparam("g_id", type
      "version": GPU.c.version + bindparam("g_claims", type_=Integer)}))
 
 
-def write_gpus_after(tx: Tx, gpus: Sequence[GpuAfter]) -> bool:
-    """Store each GPU's state after the batch if nobody changed it since its version was read, in id order (as
-    claims lock GPU rows); False at the first that changed (the caller rolls the transaction back)."""
-    for g in sorted(gpus, key=lambda g: g.gpu_id):
-        res = _WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
-                                        **{f"g_{k}": g.state[k] for k in (*_STATE, "fits")}})
-        if res.rowcount != 1:
-            return False
-    return True
+class BatchWrite(NamedTuple):
+    """What a group commit writes: each tenant's summed charge (tenant id, resource -> amount), each host's
+    summed vCPUs and memory (host id, vCPUs, MiB), each GPU's state after the batch, and the rows
+    `insert_claims` inserts."""
+
+    tenants: Sequence[tuple[int, Mapping[str, int]]]
+    hosts: Sequence[tuple[int, int, int]]
+    gpus: Sequence[GpuAfter]
+    vms: Sequence[Mapping[str, Any]]
+    devices: Sequence[Mapping[str, Any]]
+    scheds: Sequence[VmSchedRow]
+    events: Sequence[NewEvent]
+
+
+def write_batch(tx: Tx, w: BatchWrite) -> list[int] | None:
+    """Make every write of a group commit in the caller's transaction, sent together (on PostgreSQL one round
+    trip; rows locked tenants, then hosts, then GPUs, each in id order, as a single claim locks them), then read
+    what the conditional updates did: None if one did not pass (the caller rolls back), else the tenants with
+    pool-scoped limits still to charge. A unique name, key or device position taken is raised as the store's
+    IntegrityError."""
+    with sent_together(tx):
+        charged = [charge_tenant_sent(tx, t_id, delta) for t_id, delta in sorted(w.tenants, key=lambda t: t[0])]
+        took = [claim_host_sent(tx, *h) for h in sorted(w.hosts)]
+        moved = [_WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
+                                           **{f"g_{k}": g.state[k] for k in (*_STATE, "fits")}})
+                 for g in sorted(w.gpus, key=lambda g: g.gpu_id)]
+        insert_claims(tx, w.vms, w.devices, w.scheds, w.events)
+    scoped = [check() for check in charged]
+    if None in scoped or not all(check() for check in took) or any(cur.rowcount != 1 for cur in moved):
+        return None
+    return [t_id for (t_id, _), has in zip(sorted(w.tenants, key=lambda t: t[0]), scoped, strict=True) if has]
 
 
 def end_read_on(tx: Tx) -> None:
