@@ -20,12 +20,17 @@ claim of the batch lost a race or was refused), and the time per claim spent pla
 Targets (issue 12): >= 5,000 placements/s through the allocator at 10,000 GPUs with p99 <= 5 ms.
 `--profile FILE` writes a cProfile of the committer's group commits (allocator, many callers).
 
-Usage: bench_allocator.py [--gpus 10000] [--requests 2000] [--clients 16] [--raw 2000] [--json] [--profile F]
+`--postgres URL` runs the store path and allocator phases on PostgreSQL instead (each on a fleet built and
+pre-filled again in a schema of its own; the raw reference stays sqlite3's).
+
+Usage: bench_allocator.py [--gpus 10000] [--requests 2000] [--clients 16] [--raw 2000] [--postgres URL] [--json]
+                          [--profile F]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import shutil
@@ -46,6 +51,7 @@ from bench_placement import (
     _backup,
     build_store,
     expected_fill,
+    pg_schema,
     phase_raw,
     prefill,
     request_sequence,
@@ -78,6 +84,34 @@ class Fleet:
         shutil.copytree(self.base, dest, ignore=shutil.ignore_patterns("store.db*"))
         _backup(self.base / "store.db", dest / "store.db")
         return f"sqlite:///{dest / 'store.db'}", dest
+
+
+class PgFleet:
+    """The same fleet on PostgreSQL: each copy built and pre-filled again, as the SQLite one was, in a schema of
+    its own (dropped when the fleet closes)."""
+
+    def __init__(self, base_url: str, work: Path, n_gpus: int, n_requests: int, seed: int) -> None:
+        self.base_url, self.work, self.n_gpus, self.seed = base_url, work, n_gpus, seed
+        catalog = load_catalog()
+        self.target = min(0.88, max(0.0, FILL_TARGET - expected_fill(catalog, n_gpus, n_requests) - 0.02))
+        self.fill = 0.0
+        self._schemas = contextlib.ExitStack()
+        self._n = 0
+
+    def copy(self) -> tuple[str, Path]:
+        """A fresh copy: its URL and state folder."""
+        self._n += 1
+        state = self.work / f"pg{self._n}"
+        state.mkdir()
+        url = self._schemas.enter_context(pg_schema(self.base_url))
+        catalog = load_catalog()
+        build_store(url, state, catalog, self.n_gpus, "auto")
+        self.fill = prefill(url, catalog, self.target, self.seed)
+        return url, state
+
+    def close(self) -> None:
+        """Drop every copy's schema."""
+        self._schemas.close()
 
 
 def phase_claims(url: str, state: Path, reqs: Sequence[Req], clients: int, allocator: bool,
@@ -134,9 +168,12 @@ def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, allocat
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every phase on copies of one fleet."""
     reqs = request_sequence(load_catalog(), args.seed, args.requests)
-    with tempfile.TemporaryDirectory(prefix="bench-allocator-") as d:
-        fleet = Fleet(Path(d), args.gpus, args.requests, args.seed)
+    with tempfile.TemporaryDirectory(prefix="bench-allocator-") as d, contextlib.ExitStack() as stack:
+        fleet: Fleet | PgFleet = Fleet(Path(d), args.gpus, args.requests, args.seed)
         raw = phase_raw(fleet.copy()[0].removeprefix("sqlite:///"), args.raw)
+        if args.postgres:
+            fleet = PgFleet(args.postgres, Path(d), args.gpus, args.requests, args.seed)
+            stack.callback(fleet.close)
         rows: list[dict[str, Any]] = []
         for name, clients, allocator in (("store path", 1, False), (f"store path, {args.clients} callers",
                                                                     args.clients, False),
@@ -152,14 +189,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              **phase_http(*fleet.copy(), reqs[:n], args.clients, allocator)})
         for r in rows:
             r["ratio_raw"] = r["per_s"] / raw["per_s"] if raw["per_s"] else 0.0
-        return {"gpus": args.gpus, "prefill": fleet.fill, "requests": len(reqs), "raw": raw, "rows": rows}
+        return {"gpus": args.gpus, "prefill": fleet.fill, "requests": len(reqs), "raw": raw, "rows": rows,
+                "store": "PostgreSQL" if args.postgres else "SQLite"}
 
 
 def render(report: dict[str, Any]) -> str:
     """The table (Markdown) and the targets."""
     raw = report["raw"]
     out = [f"{report['gpus']:,} GPUs, pre-filled {100 * report['prefill']:.1f} %, {report['requests']} requests "
-           f"(SQLite); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
+           f"({report['store']}); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
            "| phase | placed | refused | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit "
            "| batches split | plan ms per claim | write ms per claim |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--raw", type=int, default=2000, help="raw sqlite3 reference transactions")
     ap.add_argument("--http", type=int, default=300, help="requests of each HTTP phase (0: no HTTP phases)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--postgres", metavar="URL", help="run the store and allocator phases on PostgreSQL (a schema "
+                    "per phase in this database); the raw reference stays sqlite3's")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", metavar="FILE", help="cProfile of the committer in the many-callers allocator phase")
     args = ap.parse_args(argv)
