@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -155,6 +157,19 @@ def trace_messages(path: Path) -> list[str]:
 def round_trips(messages: list[str]) -> int:
     """The waits for the server in trace messages: each run of messages to it answered by one from it."""
     return sum(a[0] == "F" and b[0] == "B" for a, b in itertools.pairwise(messages))
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/`name`.py loaded as a module, the scripts folder on sys.path (for the benchmarks it imports)."""
+    import importlib.util
+    scripts = REPO / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def write_inventory(tmp_path: Path, text: str, name: str = "inv.yaml") -> Path:

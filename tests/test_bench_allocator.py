@@ -2,24 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
-from conftest import PG_BASE, PG_DB, pg_schema
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_allocator", SCRIPTS / "bench_allocator.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import PG_BASE, PG_DB, load_script, pg_schema
 
 
 @pytest.mark.parametrize("store", ["SQLite", pytest.param("PostgreSQL", marks=pytest.mark.postgres)])
@@ -29,7 +13,7 @@ def test_a_tiny_fleet_prints_every_phase(store: str, capsys: pytest.CaptureFixtu
         with pg_schema():  # skipped when PostgreSQL is not reachable (a failure in CI), as the store tests are
             pass
         args += ["--postgres", f"{PG_BASE}/{PG_DB}"]
-    assert _load().main(args) == 0
+    assert load_script("bench_allocator").main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("64 GPUs, pre-filled ") and f"({store})" in out[0]
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in out if ln.startswith("| ")}

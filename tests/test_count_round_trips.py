@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
-from conftest import PG_BASE, PG_DB, pg_schema
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from conftest import PG_BASE, PG_DB, load_script, pg_schema
 
 # A libpq trace in regress mode: BEGIN alone, then two statements sent together, then COMMIT.
 TRACE = """\
@@ -28,17 +21,8 @@ B\t5\tReadyForQuery\t I
 """
 
 
-def _load() -> ModuleType:
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("count_round_trips", SCRIPTS / "count_round_trips.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_round_trip_is_a_run_of_messages_answered_by_the_server() -> None:
-    script = _load()
+    script = load_script("count_round_trips")
     lines = TRACE.splitlines()
     assert script.round_trips(lines) == 3
     assert script.round_trips(lines[:3]) == 1
@@ -49,7 +33,7 @@ def test_a_round_trip_is_a_run_of_messages_answered_by_the_server() -> None:
 def test_a_tiny_fleet_prints_its_round_trips_per_claim(capsys: pytest.CaptureFixture[str]) -> None:
     with pg_schema():  # skipped when PostgreSQL is not reachable (a failure in CI), as the store tests are
         pass
-    script = _load()
+    script = load_script("count_round_trips")
     assert script.main(["--postgres", f"{PG_BASE}/{PG_DB}", "--gpus", "64", "--claims", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     row = out[out.index("|---|---|---|---|") + 1].strip("|").split("|")

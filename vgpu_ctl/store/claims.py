@@ -209,8 +209,9 @@ def write_batch(tx: Tx, w: BatchWrite) -> list[int] | None:
     what the conditional updates did: None if one did not pass (the caller rolls back), else the tenants with
     pool-scoped limits still to charge. A unique name, key or device position taken is raised as the store's
     IntegrityError."""
+    tenants = sorted(w.tenants, key=lambda t: t[0])
     with sent_together(tx):
-        charged = [charge_tenant_sent(tx, t_id, delta) for t_id, delta in sorted(w.tenants, key=lambda t: t[0])]
+        charged = [charge_tenant_sent(tx, t_id, delta) for t_id, delta in tenants]
         took = [claim_host_sent(tx, *h) for h in sorted(w.hosts)]
         moved = [_WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
                                            **{f"g_{k}": g.state[k] for k in (*_STATE, "fits")}})
@@ -219,7 +220,7 @@ def write_batch(tx: Tx, w: BatchWrite) -> list[int] | None:
     scoped = [check() for check in charged]
     if None in scoped or not all(check() for check in took) or any(cur.rowcount != 1 for cur in moved):
         return None
-    return [t_id for (t_id, _), has in zip(sorted(w.tenants, key=lambda t: t[0]), scoped, strict=True) if has]
+    return [t_id for (t_id, _), has in zip(tenants, scoped, strict=True) if has]
 
 
 def end_read_on(tx: Tx) -> None:
