@@ -35,7 +35,7 @@ from vgpu_ctl.service.controller import Controller
 
 def round_trips(lines: Sequence[str]) -> int:
     """Waits for the server in a libpq trace (regress mode): each run of frontend messages answered by the backend."""
-    directions = [ln.split("\t", 1)[0] for ln in lines if ln[:1] in "FB"]
+    directions = [ln[0] for ln in lines if ln[:2] in ("F\t", "B\t")]  # a statement's text may go on over lines
     return sum(a == "F" and b == "B" for a, b in itertools.pairwise(directions))
 
 

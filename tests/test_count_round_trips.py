@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 from conftest import PG_BASE, PG_DB, load_script, pg_schema
 
-# A libpq trace in regress mode: BEGIN alone, then two statements sent together, then COMMIT.
+# A libpq trace in regress mode: BEGIN alone, a statement whose text goes on over lines (the second starts
+# with F), then two statements sent together, then COMMIT.
 TRACE = """\
 F\t13\tParse\t "" "BEGIN" 0
 F\t4\tSync
+B\t5\tReadyForQuery\t T
+F\t62\tQuery\t "SELECT priority_class.name
+FROM priority_class
+ LIMIT 1"
 B\t5\tReadyForQuery\t T
 F\t74\tParse\t "" "SELECT tenant.id FROM tenant WHERE tenant.name = $1::VARCHAR" 0
 F\t24\tBind\t "" "" 1 0 1 4 'acme' 1 0
@@ -24,9 +29,10 @@ B\t5\tReadyForQuery\t I
 def test_a_round_trip_is_a_run_of_messages_answered_by_the_server() -> None:
     script = load_script("count_round_trips")
     lines = TRACE.splitlines()
-    assert script.round_trips(lines) == 3
+    assert script.round_trips(lines) == 4
     assert script.round_trips(lines[:3]) == 1
-    assert script.sent(lines) == ["BEGIN", "|", "SELECT tenant.id", "UPDATE gpu", "|", "COMMIT"]
+    assert script.sent(lines) == ["BEGIN", "|", "SELECT priority_class.name", "SELECT tenant.id", "UPDATE gpu", "|",
+                                  "COMMIT"]
 
 
 @pytest.mark.postgres
