@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlmodel import create_engine
 
 from vgpu_ctl.store.prepared import Prepared
@@ -16,6 +18,7 @@ from vgpu_ctl.store.prepared import Prepared
 DATABASE_URL_ENV = "VGPU_CTL_DATABASE_URL"
 _BEGIN_IMMEDIATE = Prepared(text("BEGIN IMMEDIATE"))
 STATE_DIR_ENV = "VGPU_CTL_STATE_DIR"
+PING_AFTER_IDLE_S = 1.0  # a pooled connection idle longer than this is pinged before it is handed out
 
 
 def state_dir() -> Path:
@@ -48,7 +51,33 @@ def make_engine(url: str | None = None) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
         _sqlite_pragmas(engine)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url)
+    _ping_when_idle(engine)
+    return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Hand out a pooled connection as it is when it was given back less than PING_AFTER_IDLE_S ago, and ping
+    it first otherwise, replacing it when the ping fails. What kills a connection in a pool (a server restart,
+    an idle timeout, a firewall) finds it idle; pinging on every checkout, as SQLAlchemy's pool_pre_ping does,
+    costs a round trip per request on a busy store. A connection given back within the second that the server
+    then dropped fails its first statement, as one in use at that moment does, and SQLAlchemy then discards
+    the pool's connections of before."""
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        record.info["given_back"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        given_back = record.info.get("given_back")  # absent on a connection just made
+        if given_back is None or time.monotonic() - given_back < PING_AFTER_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except engine.dialect.loaded_dbapi.Error as exc:  # the pool retries with a new connection
+            raise DisconnectionError(f"connection idle {time.monotonic() - given_back:.0f} s failed its ping: "
+                                     f"{exc}") from exc
 
 
 def private_store_file(db: Path) -> None:
