@@ -16,7 +16,7 @@ from sqlalchemy import BigInteger, Float, Integer, and_, bindparam, cast, exists
 
 from vgpu_ctl.core.placeables import Placeable
 from vgpu_ctl.core.placement import CandidateOrder
-from vgpu_ctl.store.prepared import Prepared, sent_together
+from vgpu_ctl.store.prepared import Prepared, generic_plans, sent_together
 from vgpu_ctl.store.tables import GPU, HOST, HOST_FIT
 from vgpu_ctl.store.unit import Tx
 
@@ -176,9 +176,10 @@ def gpu_pages(tx: Tx, order: CandidateOrder, labels: bool, targets: Sequence[Pla
               bounds: PageBounds) -> list[list[CandidateRow]]:
     """For each placeable: the first `page_limit` GPUs of the pool that can take it, on hosts with room for the
     request, in the policy's order (labels read only when `labels`); the pages read together (one round trip on
-    PostgreSQL)."""
+    PostgreSQL), each with its generic plan."""
     query = _page_query(order, labels)
     with sent_together(tx):
+        generic_plans(tx)
         found = [query.run(tx, {**bounds._asdict(), **_match_params(c)}) for c in targets]
     return [[CandidateRow._make(t) for t in cur.fetchall()] for cur in found]
 
@@ -233,9 +234,10 @@ def summary_pages(tx: Tx, order: CandidateOrder, labels: bool, widest: bool, tar
                   bounds: PageBounds) -> list[list[SummaryRow]]:
     """For each placeable: every GPU in the pool of a page of whole hosts that have `ndev` GPUs able to take it,
     read from the hosts' summaries, with each host's width and key in the policy's order (`widest`: pack's); the
-    pages read together (one round trip on PostgreSQL)."""
+    pages read together (one round trip on PostgreSQL), each with its generic plan."""
     query = _summary_query(order, labels, widest)
     with sent_together(tx):
+        generic_plans(tx)
         found = [query.run(tx, {**bounds._asdict(), **_match_params(c)}) for c in targets]
     return [[SummaryRow(CandidateRow._make(t[:-2]), t[-2], t[-1]) for t in cur.fetchall()] for cur in found]
 
