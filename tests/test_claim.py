@@ -337,6 +337,8 @@ def test_on_postgres_a_claim_is_six_round_trips_its_write_two_in_the_reads_read_
     # pages of the profile's two placeables (the demo's A100s in equal- and mixed-size mode), each together
     assert round_trips(messages[:write]) == 4
     assert round_trips(messages[write:]) == 2  # every write of the claim together, then COMMIT
+    generic = next(i for i, m in enumerate(messages) if "force_generic_plan" in m)  # sent with the pages, first
+    assert any('"SELECT gpu.id' in m for m in messages[generic:write])
     assert [v.state for v in ctl.list_vms("acme") if v.name == "a"] == ["placed"]
     check_store_invariants(ctl.engine)
 

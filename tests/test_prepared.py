@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from vgpu_ctl.store import migrate
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.prepared import Prepared, fill_defaults, insert_all, sent_together
+from vgpu_ctl.store.prepared import Prepared, fill_defaults, generic_plans, insert_all, sent_together
 from vgpu_ctl.store.tables import EVENT, HOST, TENANT
 
 
@@ -349,6 +349,24 @@ def test_constants_the_statement_holds_are_in_its_sql(engine: Engine) -> None:
         assert set(compiled.order or compiled.names) >= {"n"} and "param_1" not in (compiled.order or ())
         assert [r[0] for r in p.run(conn, {"n": 1}).fetchall()] == ["h5"]
         assert [r[0] for r in p.run(conn, {"n": 2}).fetchall()] == []
+
+
+def test_generic_plans_last_to_the_end_of_the_transaction(engine: Engine) -> None:
+    count = Prepared(select(func.count()).select_from(TENANT))
+    with engine.begin() as conn:
+        with sent_together(conn):
+            generic_plans(conn)
+            counted = count.run(conn)
+        assert counted.fetchone()[0] == 0
+        if engine.dialect.name == "postgresql":
+            assert _plan_cache_mode(conn) == "force_generic_plan"
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as conn:
+            assert _plan_cache_mode(conn) == "auto"  # LOCAL: the next transaction plans as the server's setting
+
+
+def _plan_cache_mode(conn: Connection) -> str:
+    return str(conn.connection.driver_connection.execute("SHOW plan_cache_mode").fetchone()[0])
 
 
 @pytest.mark.postgres
