@@ -5,10 +5,10 @@ connection's checkout to its checkin.
     .venv/bin/python scripts/count_round_trips.py --postgres postgresql://postgres@127.0.0.1:5432/test
 
 A round trip is a wait for the server: a message to it followed by one from it. A ping of a pooled connection on
-its checkout (one round trip; the code of before pinged on every checkout) runs before the trace starts, so each
-ping is counted apart and added. Prints a table: claims, round
-trips per claim (mean, min, max) and where they go (statement kinds of the first claim), and the mean claim time
-with the trace off, measured in the same run. To compare code, run this file with PYTHONPATH at another tree.
+its checkout (one round trip; code before b96a3dd pinged on every checkout) runs before the trace starts, so the
+pings are counted apart and added. Prints a table: claims, round trips per claim (mean, min, max) and where they
+go (statement kinds of the first claim), and the mean claim time with the trace off, measured in the same run.
+To compare code, run this file with PYTHONPATH at another tree.
 """
 
 from __future__ import annotations
