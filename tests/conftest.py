@@ -52,7 +52,8 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'store.db'}"
 
 
-def _pg_admin() -> Any:
+def pg_admin() -> Any:
+    """An autocommit psycopg connection to the test database, outside any store's pool."""
     import psycopg
     return psycopg.connect(f"{PG_BASE}/{PG_DB}", autocommit=True, connect_timeout=5)
 
@@ -62,7 +63,7 @@ def pg_schema() -> Iterator[str]:
     """A fresh schema in the test database, dropped afterwards; yields a store URL whose connections use
     only that schema. Skipped (visibly) when the server can't be reached; with CI=true that fails instead."""
     try:
-        admin = _pg_admin()
+        admin = pg_admin()
     except Exception as exc:
         msg = f"PostgreSQL not reachable at {PG_BASE}/{PG_DB}: {exc}"
         if _in_ci():

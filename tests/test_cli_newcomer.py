@@ -189,9 +189,9 @@ def test_postgres_without_the_driver_names_the_extra(state_dir: Path, monkeypatc
 
 
 def test_missing_postgres_database(state_dir: Path) -> None:
-    from conftest import PG_BASE, _pg_admin
+    from conftest import PG_BASE, pg_admin
     try:
-        _pg_admin().close()
+        pg_admin().close()
     except Exception as exc:
         pytest.skip(f"PostgreSQL not reachable: {exc}")
     out = Cli(f"{PG_BASE}/vgpu_no_such_db_{uuid.uuid4().hex[:6]}")("vm", "list")

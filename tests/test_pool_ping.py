@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import _pg_admin
+from conftest import pg_admin
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -42,7 +42,7 @@ def _backend(eng: Any) -> int:
 
 def _kill(pid: int) -> None:
     """Terminate a backend from outside the pool, as a server restart or an idle timeout would."""
-    with _pg_admin() as admin:
+    with pg_admin() as admin:
         assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
 
 
