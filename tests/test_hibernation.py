@@ -19,6 +19,7 @@ from sqlalchemy import text
 from vgpu_ctl import Controller, NoCapacity
 from vgpu_ctl.core.priority import PreemptionMode, victim_mode
 from vgpu_ctl.errors import InventoryError
+from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service.hibernation import supported_modes
 
 INVENTORY = """
@@ -58,10 +59,15 @@ def make(store_url: str, state_dir: Path, tmp_path: Path) -> Any:
         c.close()
 
 
+def sim_domains(state_dir: Path) -> dict[str, Any]:
+    """The simulated host h1's records of its domains, as its files hold them."""
+    with SimulatedHost("h1", next(state_dir.rglob("h1.lock")).parent)._state(write=False) as step:
+        return dict(step.state["domains"])
+
+
 def sim_domain(state_dir: Path, vm: Any) -> dict[str, Any]:
     """The simulated host's record of a VM's domain."""
-    state = json.loads(next(state_dir.rglob("h1.json")).read_text())
-    return dict(state["domains"][f"{vm.name}-{vm.id[:8]}"])
+    return dict(sim_domains(state_dir)[f"{vm.name}-{vm.id[:8]}"])
 
 
 def vm_state(ctl: Controller, name: str) -> str:
@@ -126,8 +132,7 @@ def test_deleting_a_hibernated_vm_frees_everything_and_drops_its_resume(make: An
     ctl.release_vm("acme/train")  # deleted while hibernated: its devices and quota go, the host is not freed twice
     check_store_invariants(ctl.engine)
     assert host_used(ctl) == (2, 8192)
-    assert not any(n.startswith("train-") for n in json.loads(next(state_dir.rglob("h1.json")).read_text())
-                   ["domains"])
+    assert not any(n.startswith("train-") for n in sim_domains(state_dir))
     ctl.release_vm("beta/serve")
     assert ctl.scheduling.queue() == []
     failed = [o for o in ctl.list_operations(["failed"]) if o.request.get("name") == "train"]

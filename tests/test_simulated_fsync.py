@@ -1,10 +1,11 @@
-"""Provisioning on a simulated host costs one fsync per VM: only what a real host keeps across a reboot (a
-defined domain, a managed save image) is written to a new state file, flushed to disk; devices and the running
-flag are lines appended to the host's journal, which other processes see at once and which never rewrites the
-definitions."""
+"""Provisioning on a simulated host costs one fsync per VM: every change is a line appended to the host's
+journal, which other processes see at once; only what a real host keeps across a reboot (a defined domain, a
+managed save image) is flushed to disk with it, and a long journal is folded into a new state file by the next
+such change."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +87,34 @@ def _mdev(uuid: str = MDEV_UUID) -> DeviceSpec:
                       start=0, size=10, uuid=uuid, mdev_type="nvidia-558")
 
 
-def test_undurable_steps_append_to_the_journal_and_leave_the_definitions_alone(tmp_path: Path) -> None:
+def test_steps_append_to_the_journal_without_rewriting_the_state_file(tmp_path: Path, fsyncs: list[int]) -> None:
     host = SimulatedHost("sim-1", tmp_path)
     host.create_device(_mdev())
     _define(host)
-    state_file = (tmp_path / "sim-1.json").read_bytes()
     host.start_domain("vm-1")
     host.stop_domain("vm-1")
     host.start_domain("vm-1")
-    assert (tmp_path / "sim-1.json").read_bytes() == state_file  # the definitions are not rewritten
+    assert not (tmp_path / "sim-1.json").exists()  # a short journal is the whole state
+    assert len(fsyncs) == 1
     assert [(d.name, d.active) for d in SimulatedHost("sim-1", tmp_path).list_domains()] == [("vm-1", True)]
-    host.undefine_domain("vm-1")  # durable: the journal is folded into the state file
+    host.undefine_domain("vm-1")
+    assert len(fsyncs) == 2
+    assert SimulatedHost("sim-1", tmp_path).list_domains() == []
+
+
+def test_a_long_journal_is_folded_into_the_state_file(tmp_path: Path, fsyncs: list[int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    host = SimulatedHost("sim-1", tmp_path)
+    host.create_device(_mdev())
+    monkeypatch.setattr(simulated, "_FOLD_BYTES", 1)
+    _define(host)  # durable, with a journal past the limit: the whole state in a new file, the journal emptied
+    assert len(fsyncs) == 1
     assert (tmp_path / "sim-1.journal").read_bytes() == b""
+    state = json.loads((tmp_path / "sim-1.json").read_text())
+    assert list(state["domains"]) == ["vm-1"] and list(state["devices"]) == [MDEV_UUID]
+    host.start_domain("vm-1")  # undurable: a line, never a fold
+    assert (tmp_path / "sim-1.journal").read_bytes() != b""
+    assert [(d.name, d.active) for d in SimulatedHost("sim-1", tmp_path).list_domains()] == [("vm-1", True)]
 
 
 def test_a_torn_journal_line_loses_only_its_own_change(tmp_path: Path) -> None:
@@ -111,13 +128,14 @@ def test_a_torn_journal_line_loses_only_its_own_change(tmp_path: Path) -> None:
     assert [d.name for d in fresh.list_domains()] == ["vm-1"]
 
 
-def test_journal_lines_of_an_older_state_file_are_ignored(tmp_path: Path) -> None:
+def test_journal_lines_of_an_older_state_file_are_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     host = SimulatedHost("sim-1", tmp_path)
     host.create_device(_mdev())
     _define(host)
     host.start_domain("vm-1")
     old = (tmp_path / "sim-1.journal").read_bytes()
-    host.managed_save("vm-1")  # a new state file: saved, not running
+    monkeypatch.setattr(simulated, "_FOLD_BYTES", 1)
+    host.managed_save("vm-1")  # folded into a new state file: saved, not running
     with open(tmp_path / "sim-1.journal", "ab") as f:  # as if the journal had not been emptied before a crash
         f.write(old)
     (dom,) = SimulatedHost("sim-1", tmp_path).list_domains()

@@ -37,6 +37,7 @@ _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0
 State = dict[str, dict[str, dict[str, Any]]]
 HOLD_ENV = "VGPU_CTL_SIM_HOLD"
 _TOKEN_BYTES = 16  # the lock file's write token (see SimulatedHost._state)
+_FOLD_BYTES = 256 * 1024  # a journal this long is folded into a new state file by the next durable change
 
 
 def _hold(step: str) -> None:
@@ -75,22 +76,28 @@ class _Step:
         """Record undurable changes (devices, the running flag), already made to `state`, in the journal."""
         self.host._append(self.read, entries)
 
-    def save(self) -> None:
-        """Write the whole state, flushed to disk, as the new state file (a durable change)."""
-        self.host._save(self.lock, self.read)
+    def save(self, name: str) -> None:
+        """Record the durable change of domain `name` (defined, redefined, saved, restored or undefined), already
+        made to `state`: a journal line flushed to disk, or, once the journal is long, the whole state as the new
+        state file."""
+        if self.read.offset >= _FOLD_BYTES:
+            self.host._save(self.lock, self.read)
+        else:
+            self.host._append(self.read, [{"domain": name, "is": self.state["domains"].get(name)}], flush=True)
 
 
 class SimulatedHost:
     """HostDriver whose GPUs exist only in the inventory; state is kept in `state_dir/<name>.json`.
 
-    Only what a real host keeps across a reboot is durable: a defined domain and its managed save image. A
-    change to those writes the whole state to a new file, flushed to disk, renamed over `<name>.json` (one fsync
-    per VM provisioned: its domain's definition). Devices and whether a domain runs are not durable (a reboot
-    loses them on a real host too, and reconcile restores them): such a change is a line appended to the journal
-    `<name>.journal`, which a reader applies over the state file of the same generation, and which the next
-    durable write folds into the state file. So the state file's definitions are never rewritten by an undurable
-    step, a torn or lost journal line loses only undurable changes, and a step costs an append, not a rewrite.
-    Each state file write leaves a new random token in the lock file (before the rename); an instance parses the
+    Every change is a line appended to the journal `<name>.journal`, which a reader applies over the state file
+    `<name>.json` of the same generation. Only what a real host keeps across a reboot is durable: a defined
+    domain and its managed save image. A change to those is flushed to disk with its line (one fsync per VM
+    provisioned: its domain's definition), and, once the journal passes `_FOLD_BYTES`, is instead written with
+    the whole state to a new state file, flushed, renamed over the old one, the journal emptied after. Devices
+    and whether a domain runs are not durable (a reboot loses them on a real host too, and reconcile restores
+    them): their lines are not flushed. Since a flush writes out every line before it, a line lost or torn by a
+    crash loses only undurable changes, or a durable one whose step never returned (and is done again). Each
+    state file write leaves a new random token in the lock file (before the rename); an instance parses the
     state file again only when the token changed, and otherwise reads only the journal lines appended since."""
 
     simulated = True
@@ -149,14 +156,17 @@ class SimulatedHost:
         c.offset += end
         return c
 
-    def _append(self, c: _Cached, entries: Sequence[dict[str, Any]]) -> None:
+    def _append(self, c: _Cached, entries: Sequence[dict[str, Any]], flush: bool = False) -> None:
         """Append `entries` (of the state file's generation `c` read) to the journal, after a newline if a torn
-        line ends it."""
+        line ends it; flushed to disk with `flush`."""
         data = b"".join(json.dumps({"g": c.generation, **e}, sort_keys=True).encode() + b"\n" for e in entries)
         with open(self.journal, "ab") as f:
             if f.tell() > c.offset:  # a torn line (a writer died mid-append): end it before ours
                 data = b"\n" + data
             f.write(data)
+            if flush:
+                f.flush()
+                os.fsync(f.fileno())
             c.offset = f.tell()
         self._cached = c
 
@@ -244,7 +254,7 @@ class SimulatedHost:
                 raise HostError(f"host {self.name}: domain {clash} is already defined with uuid {uuid}",
                                 reasons=[{"host": self.name, "domain": name}])
             domains[name] = {"uuid": uuid, "xml": xml, "active": bool(old and old["active"])}
-            step.save()
+            step.save(name)
         return uuid
 
     def start_domain(self, name: str) -> None:
@@ -262,7 +272,7 @@ class SimulatedHost:
             dom["active"] = True
             if dom.pop("saved", False):  # like libvirt: a start restores the managed save image, then drops it
                 dom["restores"] = int(dom.get("restores", 0)) + 1
-                step.save()  # the image is gone: a durable change
+                step.save(name)  # the image is gone: a durable change
             else:
                 step.log({"domain": name, "active": True})
 
@@ -285,14 +295,14 @@ class SimulatedHost:
                 raise HostError(f"host {self.name}: domain {name} is not running and has no managed save image, "
                                 "so there is nothing to save", reasons=[{"host": self.name, "domain": name}])
             dom["active"], dom["saved"] = False, True
-            step.save()
+            step.save(name)
 
     def undefine_domain(self, name: str) -> None:
         """Forget the domain (idempotent: absent is fine)."""
         _hold("undefine_domain")
         with self._state(write=True) as step:
             if step.state["domains"].pop(name, None) is not None:
-                step.save()
+                step.save(name)
 
     def list_domains(self) -> list[DomainInfo]:
         """Every domain recorded on this host, with the controller's metadata."""
@@ -317,12 +327,14 @@ class _Cached:
 
 
 def _apply(state: State, entry: dict[str, Any]) -> None:
-    """Apply one journal line: a device recorded or forgotten, or a domain's running flag."""
-    if "device" in entry:
+    """Apply one journal line: a device recorded or forgotten, a domain (re)defined or forgotten, or a domain's
+    running flag."""
+    key, kind = ("device", "devices") if "device" in entry else ("domain", "domains")
+    if "is" in entry:
         if entry["is"] is None:
-            state["devices"].pop(entry["device"], None)
+            state[kind].pop(entry[key], None)
         else:
-            state["devices"][entry["device"]] = entry["is"]
+            state[kind][entry[key]] = entry["is"]
     elif entry.get("domain") in state["domains"]:  # the line's generation has the domain
         state["domains"][entry["domain"]]["active"] = bool(entry["active"])
 
