@@ -140,3 +140,27 @@ def test_journal_lines_of_an_older_state_file_are_ignored(tmp_path: Path, monkey
         f.write(old)
     (dom,) = SimulatedHost("sim-1", tmp_path).list_domains()
     assert (dom.active, dom.saved) == (False, True)
+
+
+def test_a_step_reads_only_the_journal_lines_it_has_not_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host = SimulatedHost("sim-1", tmp_path)  # a new host: no state file, and no writer has left a token yet
+    host.create_device(_mdev())
+    _define(host)
+    reads: list[int] = []
+    real_open = open
+
+    def counted_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        if str(path).endswith("sim-1.journal") and "r" in mode:
+            real_read = f.read
+            f.read = lambda *a: (data := real_read(*a), reads.append(len(data)))[0]
+        return f
+
+    monkeypatch.setattr("builtins.open", counted_open)
+    host.start_domain("vm-1")
+    host.stop_domain("vm-1")
+    assert reads == [0, 0]  # its own lines are kept, not read back, let alone the whole journal again
+    SimulatedHost("sim-1", tmp_path).start_domain("vm-1")  # another process's line ...
+    host.list_domains()
+    assert reads[-1] == len((tmp_path / "sim-1.journal").read_bytes().splitlines(keepends=True)[-1])  # ... alone
+    assert [(d.name, d.active) for d in host.list_domains()] == [("vm-1", True)]

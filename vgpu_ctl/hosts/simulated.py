@@ -97,8 +97,9 @@ class SimulatedHost:
     and whether a domain runs are not durable (a reboot loses them on a real host too, and reconcile restores
     them): their lines are not flushed. Since a flush writes out every line before it, a line lost or torn by a
     crash loses only undurable changes, or a durable one whose step never returned (and is done again). Each
-    state file write leaves a new random token in the lock file (before the rename); an instance parses the
-    state file again only when the token changed, and otherwise reads only the journal lines appended since."""
+    state file write (and a new host's first writing step) leaves a new random token in the lock file (before the
+    rename); an instance parses the state file again only when the token changed, and otherwise reads only the
+    journal lines appended since."""
 
     simulated = True
 
@@ -121,16 +122,17 @@ class SimulatedHost:
             lock = os.open(self.state_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
-                step = _Step(self, lock, self._read(lock))
+                step = _Step(self, lock, self._read(lock, write))
                 if write:  # kept again once written: a step that fails half-way leaves its changes in no cache
                     self._cached = None
                 yield step
             finally:
                 os.close(lock)
 
-    def _read(self, lock: int) -> _Cached:
-        """The state as the files hold it now (under the caller's lock): the state file's, with the journal
-        lines of its generation applied; only the new journal lines when this instance holds the rest."""
+    def _read(self, lock: int, write: bool) -> _Cached:
+        """The state as the files hold it now (under the caller's lock, exclusive when `write`): the state
+        file's, with the journal lines of its generation applied; only the new journal lines when this instance
+        holds the rest."""
         token = os.pread(lock, _TOKEN_BYTES, 0)
         c = self._cached
         if c is None or c.token != token or len(token) != _TOKEN_BYTES:
@@ -138,6 +140,9 @@ class SimulatedHost:
             if self.path.exists():
                 doc = json.loads(self.path.read_text())
             state: State = {"devices": doc.get("devices", {}), "domains": doc.get("domains", {})}
+            if len(token) != _TOKEN_BYTES and write:  # no writer left a token yet: without one, every step parses
+                token = secrets.token_bytes(_TOKEN_BYTES)
+                os.pwrite(lock, token, 0)
             c = self._cached = _Cached(token, int(doc.get("generation", 0)), 0, state)
         try:
             with open(self.journal, "rb") as f:
@@ -240,11 +245,11 @@ class SimulatedHost:
             dom.undefine()
         except libvirt.libvirtError as exc:
             raise host_error(self.name, "defining domain", exc) from None
-        given_uuid = parse_xml(xml).findtext("uuid")
         with self._state(write=True) as step:
             domains = step.state["domains"]
             old = domains.get(name)
-            if old is not None and given_uuid is None:
+            # a redefinition without <uuid> keeps the domain's (libvirt made one up for it)
+            if old is not None and parse_xml(xml).findtext("uuid") is None:
                 uuid = old["uuid"]
             elif old is not None and old["uuid"] != uuid:
                 raise HostError(f"host {self.name}: domain {name} already exists with uuid {old['uuid']}",
