@@ -142,6 +142,22 @@ def test_a_domain_without_vgpus_has_no_hostdevs_and_its_metadata_reads_back(rend
     assert claim is not None and (claim.vm_id, claim.vcpus, claim.memory_mib, claim.devices) == ("42", 4, 8192, ())
 
 
+def test_a_domain_read_at_once_says_what_each_reader_says(renderer: TemplateRenderer, conn: Any) -> None:
+    foreign = conn.defineXML("<domain type='test'><name>foreign</name><memory>1024</memory>"
+                             "<os><type>hvm</type></os></domain>").XMLDesc(0)
+    positioned = replace(mdev_hostdev("d1"), gpu_pci="0000:41:00.0", start=10, size=10)
+    placed = renderer.render_domain(TEMPLATE, domain_context([positioned]))
+    for xml in (renderer.render_domain(TEMPLATE, CASES["several"]), placed, foreign):
+        facts = render.read_domain(xml)
+        assert facts == (read_metadata(xml), render.read_hostdevs(xml), render.read_claim(xml))
+    one = render.read_domain(placed)
+    assert one.metadata["devices"] == "d1" and one.hostdevs == (MDEV_UUID,)
+    assert one.claim is not None
+    assert [(d.host_ref, d.gpu_pci, d.start, d.size) for d in one.claim.devices] == [
+        (MDEV_UUID, "0000:41:00.0", 10, 10)]
+    assert render.read_domain(foreign) == ({}, (), None)
+
+
 def test_foreign_domain_has_no_metadata(conn: Any) -> None:
     foreign = conn.defineXML("<domain type='test'><name>foreign</name><memory>1024</memory>"
                              "<os><type>hvm</type></os></domain>")

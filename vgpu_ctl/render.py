@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jinja2
 from lxml import etree
@@ -260,8 +260,12 @@ def validate_domain(xml: str) -> None:
 
 def read_hostdevs(xml: str) -> tuple[str, ...]:
     """The host devices a domain's XML takes: mdev UUIDs and PCI addresses ("0000:41:00.4")."""
+    return _hostdevs(parse_xml(xml))
+
+
+def _hostdevs(doc: etree._Element) -> tuple[str, ...]:
     out: list[str] = []
-    for source in parse_xml(xml).iterfind("devices/hostdev/source/address"):
+    for source in doc.iterfind("devices/hostdev/source/address"):
         if source.get("uuid"):
             out.append(source.get("uuid", "").lower())
         elif source.get("bus") is not None:
@@ -299,11 +303,14 @@ def read_claim(xml: str) -> DomainClaim | None:
     """The VM and device positions recorded in a domain's metadata; None for a foreign domain or one written
     without positions (by a vgpu-ctl before they were recorded, or by a template that leaves them out)."""
     doc = parse_xml(xml)
+    return _claim(doc, _hostdevs(doc))
+
+
+def _claim(doc: etree._Element, refs: tuple[str, ...]) -> DomainClaim | None:
     vm = doc.find(f"metadata/{{{METADATA_NS}}}vm")
     memory, vcpus = doc.find("memory"), doc.findtext("vcpu")
     if vm is None or memory is None or vcpus is None:
         return None
-    refs = read_hostdevs(xml)
     devices = []
     try:
         for i, d in enumerate(vm.iterfind(f"{{{METADATA_NS}}}device")):
@@ -321,7 +328,26 @@ def read_claim(xml: str) -> DomainClaim | None:
 
 def read_metadata(xml: str) -> dict[str, str]:
     """The controller's metadata in domain XML: tenant, vm_id, devices (comma-separated ids), or {}."""
-    vm = parse_xml(xml).find(f"metadata/{{{METADATA_NS}}}vm")
+    return _metadata(parse_xml(xml))
+
+
+class DomainFacts(NamedTuple):
+    """What a domain's XML tells the controller: its metadata, the host devices it takes, and its claim."""
+
+    metadata: dict[str, str]
+    hostdevs: tuple[str, ...]
+    claim: DomainClaim | None
+
+
+def read_domain(xml: str) -> DomainFacts:
+    """`read_metadata`, `read_hostdevs` and `read_claim` of one domain's XML, parsed once (a host lists many)."""
+    doc = parse_xml(xml)
+    refs = _hostdevs(doc)
+    return DomainFacts(_metadata(doc), refs, _claim(doc, refs))
+
+
+def _metadata(doc: etree._Element) -> dict[str, str]:
+    vm = doc.find(f"metadata/{{{METADATA_NS}}}vm")
     if vm is None:
         return {}
     devices = [d.get("id", "") for d in vm.iterfind(f"{{{METADATA_NS}}}device")]

@@ -19,7 +19,7 @@ from vgpu_ctl.hosts.nodedev import (
     open_libvirt,
 )
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
-from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_claim, read_hostdevs, read_metadata
+from vgpu_ctl.render import PciAddress, TemplateRenderer, parse_xml, read_domain, read_metadata
 
 PLACEMENT_ATTR = "vgpu-placement-id"
 
@@ -248,8 +248,7 @@ class LibvirtHost:
                     saved = not active and bool(dom.hasManagedSaveImage(0))
                 except libvirt.libvirtError:
                     continue  # undefined while we were listing
-                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, read_metadata(xml), read_hostdevs(xml),
-                                      read_claim(xml), saved))
+                out.append(DomainInfo(dom.name(), dom.UUIDString(), active, *read_domain(xml), saved=saved))
         return out
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import libvirt
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.nodedev import host_error, open_libvirt
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, DomainInfo, HostDevice
-from vgpu_ctl.render import PciAddress, parse_xml, read_claim, read_hostdevs, read_metadata
+from vgpu_ctl.render import PciAddress, parse_xml, read_domain
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 _FIRST_VF_FUNCTION = 4  # NVIDIA GPUs put their first SR-IOV VF at function 4 (0000:41:00.4)
@@ -111,6 +111,7 @@ class SimulatedHost:
         self.state_dir = state_dir
         self.path = state_dir / f"{name}.json"
         self.journal = state_dir / f"{name}.journal"
+        self._lock_path = os.fspath(state_dir / f"{name}.lock")
         self._cached: _Cached | None = None
         self._mutex = threading.Lock()  # this instance's threads, one at a time (the file lock is per process)
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,7 @@ class SimulatedHost:
     def _state(self, write: bool) -> Iterator[_Step]:
         """The host's state under its file lock (exclusive when `write`); a step writes through the `_Step`."""
         with self._mutex:
-            lock = os.open(self.state_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            lock = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
                 step = _Step(self, lock, self._read(lock, write))
@@ -312,8 +313,7 @@ class SimulatedHost:
     def list_domains(self) -> list[DomainInfo]:
         """Every domain recorded on this host, with the controller's metadata."""
         with self._state(write=False) as step:
-            return [DomainInfo(n, d["uuid"], d["active"], read_metadata(d["xml"]), read_hostdevs(d["xml"]),
-                               read_claim(d["xml"]), bool(d.get("saved")))
+            return [DomainInfo(n, d["uuid"], d["active"], *read_domain(d["xml"]), saved=bool(d.get("saved")))
                     for n, d in sorted(step.state["domains"].items())]
 
     def close(self) -> None:

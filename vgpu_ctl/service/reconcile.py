@@ -100,11 +100,12 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
                                   profile=hd.profile or "", start=0, size=0, uuid=hd.uuid)
                 _try(f, partial(driver.remove_device, spec))
             report.findings.append(f)
+        running = {d.name for d in domains if d.active}
         for vm in vms_on.get(host.id, ()):
             if vm.id in moving:  # devices on two hosts until its move is settled: reported above
                 continue
             report.findings.extend(_check_vm(ctl, vm, host, domain_names, host_uuids, uuids_of.get(vm.id, set()),
-                                             fix, {d.name for d in domains if d.active}))
+                                             fix, running))
     if fix and report.findings:
         with ctl.tx() as conn:
             record(conn, ctl.principal.actor, "reconcile.fix", "fleet",
