@@ -407,8 +407,9 @@ def _parse_inventory(path: Path, catalog: Catalog) -> InventoryDecl:
     data = read_json(PARSED_CACHE, digest)
     if data is None:
         data = _load_yaml(path, text)
-        if _as_json(data):
-            write_json(PARSED_CACHE, digest, data)
+        encoded = _as_json(data)
+        if encoded is not None:
+            write_json(PARSED_CACHE, digest, data, encoded)
     if not isinstance(data, dict):
         raise InventoryError(f"{path}:1: expected a mapping with 'hosts' and 'pools'")
     return _validate(path, catalog, text, data)
@@ -431,13 +432,14 @@ def _parser_digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def _as_json(data: Any) -> bool:
-    """True when JSON gives back exactly `data` (plain strings, numbers, booleans, null, lists and mappings with
-    string keys: what an inventory holds; not dates, binary or numeric keys)."""
+def _as_json(data: Any) -> str | None:
+    """`data` as JSON text when JSON gives back exactly `data` (plain strings, numbers, booleans, null, lists and
+    mappings with string keys: what an inventory holds; not dates, binary or numeric keys), else None."""
     try:
-        return bool(json.loads(json.dumps(data, allow_nan=False)) == data)
+        encoded = json.dumps(data, allow_nan=False)
+        return encoded if json.loads(encoded) == data else None
     except (TypeError, ValueError, RecursionError):
-        return False
+        return None
 
 
 def _load_yaml(path: Path, text: str) -> Any:
