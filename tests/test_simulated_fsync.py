@@ -183,7 +183,7 @@ def _provision_many(state_dir: str, worker: int, n: int) -> None:
 
 
 def test_processes_defining_on_one_host_while_its_journal_is_folded_lose_nothing(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # not fork: a child would share this process's libvirt state
     workers = [ctx.Process(target=_provision_many, args=(str(tmp_path), w, 12)) for w in range(3)]
     for p in workers:
         p.start()
