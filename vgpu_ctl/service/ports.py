@@ -61,7 +61,7 @@ from vgpu_ctl.store.tokens import ApiTokenRow, TenantRef
 from vgpu_ctl.store.unit import Tx, utcnow
 from vgpu_ctl.store.utilization import HostSample, SampledDevice, SampledGpu, SampleRow
 from vgpu_ctl.store.vm_sched import Holding, VmSchedRow
-from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmPlace, VmRow
+from vgpu_ctl.store.vms import DeviceRef, DeviceRow, VmPlace, VmRow, VmStatus
 
 
 class TokenStore(Protocol):
@@ -789,6 +789,9 @@ class VmStore(Protocol):
 
     def all_vms(self, tx: Tx) -> list[VmRow]:
         """Every VM, in no particular order."""
+
+    def vm_statuses(self, tx: Tx) -> list[VmStatus]:
+        """Every VM's host, state and lease, in no particular order."""
 
     def device_refs(self, tx: Tx) -> list[DeviceRef]:
         """Every device a VM holds."""

@@ -35,7 +35,7 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
     moving = _moves(ctl, report, fix)
     with ctl.engine.connect() as conn:
         hosts = STORE.hosts.host_rows(conn)
-        vms = STORE.vms.all_vms(conn)
+        vms = STORE.vms.vm_statuses(conn)
         devices = STORE.vms.device_refs(conn)
     store_uuids = {d.uuid: d.vm_id for d in devices}  # every claimed device: none of them is an orphan
     uuids_of: dict[str, set[str]] = {}  # per VM, the devices a host must show (grouped once, not per VM)

@@ -60,6 +60,17 @@ class DeviceRow(NamedTuple):
     state: str
 
 
+class VmStatus(NamedTuple):
+    """A VM's host and state, and who holds its lease: what reconcile checks a VM by."""
+
+    id: str
+    name: str
+    host_id: int | None
+    state: str
+    lease_holder: str | None
+    lease_expires: datetime | None
+
+
 class DeviceRef(NamedTuple):
     """A claimed device's UUID, VM and backing."""
 
@@ -71,6 +82,12 @@ class DeviceRef(NamedTuple):
 def all_vms(tx: Tx) -> list[VmRow]:
     """Every VM, in no particular order."""
     return [VmRow(*r) for r in tx.execute(select(*_COLUMNS))]
+
+
+def vm_statuses(tx: Tx) -> list[VmStatus]:
+    """Every VM's host, state and lease, in no particular order (not its spec: decoding 30,000 specs was a
+    sixth of a reconcile of that many VMs)."""
+    return [VmStatus(*r) for r in tx.execute(select(*(VM.c[name] for name in VmStatus._fields))).all()]
 
 
 def device_refs(tx: Tx) -> list[DeviceRef]:
