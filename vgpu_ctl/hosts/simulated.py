@@ -152,11 +152,7 @@ class SimulatedHost:
         except FileNotFoundError:
             tail = b""
         end = tail.rfind(b"\n") + 1  # a line without its newline is being written, or was torn by a crash
-        for line in tail[:end].splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # torn by a crash: an undurable change lost, as a reboot would lose it
+        for entry in _entries(tail[:end].splitlines()):
             if entry.get("g") == c.generation:
                 _apply(c.state, entry)
         c.offset += end
@@ -329,6 +325,22 @@ class _Cached:
     generation: int
     offset: int
     state: State
+
+
+def _entries(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The journal lines' entries, all parsed at once (a fresh reader may have tens of thousands), or one by one
+    when one of them does not parse: a line torn by a crash, an undurable change lost as a reboot would lose it."""
+    try:
+        entries: list[dict[str, Any]] = json.loads(b"[" + b",".join(lines) + b"]")
+        return entries
+    except ValueError:
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
 
 def _apply(state: State, entry: dict[str, Any]) -> None:
