@@ -129,3 +129,34 @@ def test_cli_queue_by_tenant(cli: Cli) -> None:
     assert [(q["name"], q["position"]) for q in cli.json("queue", "--tenant", "acme")] == [("b", 2)]
     assert [q["name"] for q in cli.json("queue")] == ["c", "b"]  # beta has used nothing: fair share first
     assert cli.json("queue", "--tenant", "nobody", code=4)["error"]["code"] == "not_found"
+
+
+def test_a_request_being_tried_stays_in_the_queue(ctl: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vgpu_ctl.errors import Conflict
+    from vgpu_ctl.service import scheduling
+    from vgpu_ctl.service.ports import STORE, utcnow
+
+    ctl.create_tenant("acme")
+    _whole(ctl, "acme", "a")
+    first = _whole(ctl, "acme", "b", queue=True, queue_deadline_s=60)
+    second = _whole(ctl, "acme", "c", queue=True)
+    assert isinstance(first, OperationInfo) and isinstance(second, OperationInfo)
+    before = ctl.scheduling.queue()
+    trying = f"{scheduling.ADMITTER}other-process"
+    with ctl.tx() as conn:  # another admitter (the server's periodic try) holds b while it tries it
+        assert STORE.scheduling.take_queued(conn, first.id, scheduling.QUEUE_HOLDER, trying, utcnow())
+    assert ctl.scheduling.queue() == before  # still listed, in its place
+    assert 'vgpuctl_queue_length{priority_class="none"} 2.0' in _metrics(ctl)
+    with pytest.raises(Conflict, match="being tried for admission right now") as refused:
+        ctl.scheduling.cancel(first.id)
+    assert refused.value.reasons == [{"field": "operation", "value": first.id}]
+    now = time.time()
+    monkeypatch.setattr(scheduling.time, "time", lambda: now + 120)  # past b's deadline
+    assert ctl.scheduling.admit() == []  # this admitter leaves b to the other one: it neither drops nor tries it
+    assert ctl.scheduling.queue() == before and ctl.get_operation(first.id).state == "pending"
+    with ctl.tx() as conn:  # the other try fails: b waits in the queue again
+        STORE.scheduling.end_admission(conn, first.id, trying, "pending", holder_after=scheduling.QUEUE_HOLDER,
+                                       vm_id=None, result=None, error=None, now=utcnow())
+    monkeypatch.undo()
+    ctl.scheduling.cancel(first.id)
+    assert [q["name"] for q in ctl.scheduling.queue()] == ["c"]

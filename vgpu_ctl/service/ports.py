@@ -711,8 +711,8 @@ class SchedulingStore(Protocol):
     def event_params(self, tx: Tx, action: str, result: str) -> list[Any]:
         """The parameters of the audit events of `action` that ended in `result`."""
 
-    def queued(self, tx: Tx, holder: str) -> list[OperationRow]:
-        """The pending operations the queue (`holder`) holds."""
+    def queued(self, tx: Tx, holder: str, trying: str | None = None) -> list[OperationRow]:
+        """The pending operations the queue (`holder`) holds, and with `trying` those an admitter is trying."""
 
     def queued_count(self, tx: Tx, holder: str) -> int:
         """How many pending operations the queue holds."""

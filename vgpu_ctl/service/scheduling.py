@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 
 QUEUE_HOLDER = "queue"
 """The lease holder of a queued (pending) operation: never expires, never taken over by the recovery loop."""
+ADMITTER = "admit-"
+"""How the lease holder of a queued operation being tried (`admit_queued`) begins: it is still in the queue."""
 
 SETTINGS: dict[str, float] = {"half_life_s": 7 * 86400.0, "grace_s": 30.0, "cooldown_s": 600.0}
 """Scheduling settings and their defaults: usage half-life, the grace period of a preempted VM's shutdown, and
@@ -856,7 +858,8 @@ def enqueue(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool | None 
 
 
 def _queued_rows(conn: Tx) -> list[OperationRow]:
-    return STORE.scheduling.queued(conn, QUEUE_HOLDER)
+    # with those being tried: `vgpuctl queue` during the server's periodic try still lists them, in place
+    return STORE.scheduling.queued(conn, QUEUE_HOLDER, trying=ADMITTER)
 
 
 def queue_order(conn: Tx, catalog: Any) -> list[tuple[OperationRow, PriorityClass, float]]:
@@ -917,6 +920,8 @@ def admit_queued(ctl: Controller) -> list[str]:
         askers = {r.id: principal_of(conn, r) for r, _, _ in order}
         wait_s = settings(conn)["grace_s"] + PREEMPTION_SLACK_S
     for row, cls, _f in order:
+        if row.lease_holder != QUEUE_HOLDER:  # another admitter is trying it
+            continue
         q = dict(row.request)
         if q.get("deadline") is not None and time.time() > float(q["deadline"]):
             with ctl.tx() as conn:
@@ -926,7 +931,7 @@ def admit_queued(ctl: Controller) -> list[str]:
             continue
         if row.vm_id is not None and q.get("requeued") and not _victim_gone(ctl, row, q, wait_s):
             continue
-        claim_holder = f"admit-{uuid.uuid4()}"
+        claim_holder = f"{ADMITTER}{uuid.uuid4()}"
         with ctl.tx() as conn:  # take it: one admitter per queued request
             if not STORE.scheduling.take_queued(conn, row.id, QUEUE_HOLDER, claim_holder, utcnow()):
                 continue
@@ -1027,9 +1032,14 @@ def cancel_queued(ctl: Controller, op_id: str) -> None:
     queued or not the caller's."""
     with ctl.tx() as conn:
         row = STORE.operations.operation(conn, op_id)
-        if row is None or row.state != "pending" or row.lease_holder != QUEUE_HOLDER or (
+        holder = (row.lease_holder or "") if row is not None else ""
+        if row is None or row.state != "pending" or not (holder == QUEUE_HOLDER or holder.startswith(ADMITTER)) or (
                 ctl.principal.tenant_id is not None and row.tenant_id != ctl.principal.tenant_id):
             raise NotFound(f"queued request {op_id!r} not found", reasons=[{"field": "operation", "value": op_id}])
+        if holder != QUEUE_HOLDER:
+            raise Conflict(f"queued request {op_id!r} is being tried for admission right now; cancel it again "
+                           "in a moment (if it was admitted, delete its VM instead)",
+                           reasons=[{"field": "operation", "value": op_id}])
         _drop_queued(conn, op_id, "taken out of the queue")
         record(conn, ctl.principal.actor, "vm.dequeue", f"operation:{op_id}",
                params={"name": row.request.get("name")})

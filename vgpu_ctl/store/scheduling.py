@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Table, bindparam, delete, func, insert, select, update
+from sqlalchemy import Table, bindparam, delete, func, insert, or_, select, update
 
 from vgpu_ctl.store.operations import OperationRow
 from vgpu_ctl.store.prepared import Prepared
@@ -414,13 +414,17 @@ def event_params(tx: Tx, action: str, result: str) -> list[Any]:
 _OP_COLUMNS = [OPERATION.c[name] for name in OperationRow._fields]
 
 
-def _queued_where(holder: str) -> tuple[Any, ...]:
-    return OPERATION.c.state == "pending", OPERATION.c.lease_holder == holder
+def _queued_where(holder: str, trying: str | None = None) -> tuple[Any, ...]:
+    held = OPERATION.c.lease_holder == holder
+    if trying is not None:
+        held = or_(held, OPERATION.c.lease_holder.startswith(trying, autoescape=True))
+    return OPERATION.c.state == "pending", held
 
 
-def queued(tx: Tx, holder: str) -> list[OperationRow]:
-    """The pending operations the queue holds (`holder` its lease holder)."""
-    return [OperationRow(*r) for r in tx.execute(select(*_OP_COLUMNS).where(*_queued_where(holder)))]
+def queued(tx: Tx, holder: str, trying: str | None = None) -> list[OperationRow]:
+    """The pending operations the queue holds (`holder` its lease holder); with `trying`, also those an admitter
+    is trying now (its holder starts with `trying`), which wait on if the try fails."""
+    return [OperationRow(*r) for r in tx.execute(select(*_OP_COLUMNS).where(*_queued_where(holder, trying)))]
 
 
 def queued_count(tx: Tx, holder: str) -> int:
