@@ -3,6 +3,7 @@ NodeDeviceApi, and sample domain contexts."""
 
 from __future__ import annotations
 
+import multiprocessing
 import uuid as uuidlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from lxml import etree
 
 from vgpu_ctl.errors import HostError
+from vgpu_ctl.hosts import simulated
 from vgpu_ctl.hosts.nodedev import MdevInfo, MdevParent
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceSpec
 from vgpu_ctl.hosts.simulated import SimulatedHost
@@ -205,8 +207,12 @@ def domain_context(hostdevs: list[HostdevContext] | None = None, **changes: obje
     return DomainContext(**values)  # type: ignore[arg-type]
 
 
-def simulated_writer(state_dir: str, worker: int, count: int) -> None:
-    """One of several processes each adding `count` devices and domains to simulated host sim-1."""
+def simulated_writer(state_dir: str, worker: int, count: int, start: bool = False,
+                     fold_bytes: int | None = None) -> None:
+    """One of several processes each adding `count` devices and domains to simulated host sim-1 (started with
+    `start`; with `fold_bytes`, the journal folded into the state file once it is that long)."""
+    if fold_bytes is not None:
+        simulated._FOLD_BYTES = fold_bytes
     host = SimulatedHost("sim-1", Path(state_dir))
     renderer = TemplateRenderer()
     for i in range(count):
@@ -216,6 +222,21 @@ def simulated_writer(state_dir: str, worker: int, count: int) -> None:
         hostdev = HostdevContext(f"dev-{worker}-{i}", "A100D-4C", DeviceBacking.MDEV, uuid, None)
         host.define_domain(renderer.render_domain(
             "domain.xml.j2", domain_context([hostdev], name=f"vm-{worker}-{i}", uuid=uuid)))
+        if start:
+            host.start_domain(f"vm-{worker}-{i}")
+
+
+def run_simulated_writers(state_dir: Path, workers: int, count: int, timeout_s: float, **kw: Any) -> None:
+    """`simulated_writer` in `workers` processes at once, spawned (a forked child would share this process's
+    libvirt state); each must end well within `timeout_s`."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=simulated_writer, args=(str(state_dir), w, count), kwargs=kw)
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+        assert p.exitcode == 0
 
 
 def running_vm(ctl: Any, name: str, profile: str, pool: str) -> Any:

@@ -6,15 +6,12 @@ such change."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import uuid as uuidlib
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import DEMO
-from hostfixtures import MDEV_UUID, VM_UUID, domain_context, mdev_hostdev
+from hostfixtures import MDEV_UUID, VM_UUID, domain_context, mdev_hostdev, run_simulated_writers
 
 from vgpu_ctl import Controller
 from vgpu_ctl.hosts import simulated
@@ -169,27 +166,8 @@ def test_a_step_reads_only_the_journal_lines_it_has_not_seen(tmp_path: Path, mon
     assert [(d.name, d.active) for d in host.list_domains()] == [("vm-1", True)]
 
 
-def _provision_many(state_dir: str, worker: int, n: int) -> None:
-    """In its own process: `n` VMs on host sim-1 (device, definition, start), with a journal folded every few
-    definitions."""
-    simulated._FOLD_BYTES = 4096
-    host = SimulatedHost("sim-1", Path(state_dir))
-    for i in range(n):
-        mdev, vm = str(uuidlib.uuid4()), str(uuidlib.uuid4())
-        host.create_device(_mdev(mdev))
-        ctx = domain_context([replace(mdev_hostdev(f"d-{worker}-{i}"), uuid=mdev)], name=f"vm-{worker}-{i}", uuid=vm)
-        host.define_domain(TemplateRenderer().render_domain("domain.xml.j2", ctx))
-        host.start_domain(f"vm-{worker}-{i}")
-
-
 def test_processes_defining_on_one_host_while_its_journal_is_folded_lose_nothing(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")  # not fork: a child would share this process's libvirt state
-    workers = [ctx.Process(target=_provision_many, args=(str(tmp_path), w, 12)) for w in range(3)]
-    for p in workers:
-        p.start()
-    for p in workers:
-        p.join(60)
-        assert p.exitcode == 0
+    run_simulated_writers(tmp_path, 3, 12, 60, start=True, fold_bytes=4096)  # a fold every few definitions
     assert (tmp_path / "sim-1.json").exists()  # folded at least once
     host = SimulatedHost("sim-1", tmp_path)
     domains = host.list_domains()

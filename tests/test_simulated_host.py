@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
-from hostfixtures import MDEV_UUID, VM_UUID, domain_context, mdev_hostdev, simulated_writer
+from hostfixtures import MDEV_UUID, VM_UUID, domain_context, mdev_hostdev, run_simulated_writers
 
 from vgpu_ctl.errors import HostError, InvalidInput
 from vgpu_ctl.hosts.protocol import DeviceBacking, DeviceHandle, DeviceSpec, HostDevice
@@ -128,13 +127,7 @@ def test_unsafe_host_names_are_refused(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.slow
 def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=simulated_writer, args=(str(tmp_path), w, 20)) for w in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    run_simulated_writers(tmp_path, 2, 20, 120)
     host = SimulatedHost("sim-1", tmp_path)
     assert len(host.list_devices()) == 40
     assert len(host.list_domains()) == 40
