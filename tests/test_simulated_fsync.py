@@ -128,6 +128,17 @@ def test_a_torn_journal_line_loses_only_its_own_change(tmp_path: Path) -> None:
     assert [d.name for d in fresh.list_domains()] == ["vm-1"]
 
 
+def test_a_torn_line_that_joins_the_next_into_valid_json_still_loses_only_itself(tmp_path: Path) -> None:
+    host = SimulatedHost("sim-1", tmp_path)
+    host.create_device(_mdev())
+    with open(tmp_path / "sim-1.journal", "ab") as f:  # torn inside a string; with the next line and a comma
+        f.write(b'{"g": 0, "device": "%s", "is": null, "t": "\n"}\n' % MDEV_UUID.encode())  # ... it parses
+    _define(host)
+    fresh = SimulatedHost("sim-1", tmp_path)
+    assert [d.uuid for d in fresh.list_devices()] == [MDEV_UUID]  # not removed by the merged line
+    assert [d.name for d in fresh.list_domains()] == ["vm-1"]
+
+
 def test_journal_lines_of_an_older_state_file_are_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     host = SimulatedHost("sim-1", tmp_path)
     host.create_device(_mdev())

@@ -9,6 +9,7 @@ kills or signals the server there, then lets the step go by removing PATH. Unset
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -330,17 +331,18 @@ class _Cached:
 def _entries(lines: list[bytes]) -> list[dict[str, Any]]:
     """The journal lines' entries, all parsed at once (a fresh reader may have tens of thousands), or one by one
     when one of them does not parse: a line torn by a crash, an undurable change lost as a reboot would lose it."""
-    try:
+    with contextlib.suppress(ValueError):
         entries: list[dict[str, Any]] = json.loads(b"[" + b",".join(lines) + b"]")
-        return entries
-    except ValueError:
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
+        # one entry a line: a torn line that the join made into valid JSON with the next ones made fewer
+        if len(entries) == len(lines):
+            return entries
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def _apply(state: State, entry: dict[str, Any]) -> None:
