@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_api
-from bench_api import _fan_out, _vgpus
+from bench_api import _fan_out, _vgpus, failures
 from bench_placement import (
     FILL_TARGET,
     Req,
@@ -198,14 +198,15 @@ def render(report: dict[str, Any]) -> str:
     raw = report["raw"]
     out = [f"{report['gpus']:,} GPUs, pre-filled {100 * report['prefill']:.1f} %, {report['requests']} requests "
            f"({report['store']}); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
-           "| phase | placed | refused | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit "
+           "| phase | placed | refused | failed | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit "
            "| batches split | plan ms per claim | write ms per claim |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         extra = (f"{r['per_batch']:.1f} | {r['split']:.0f} | {r['plan_ms']:.3f} | {r['write_ms']:.3f}"
                  if "per_batch" in r else " | | |")
-        out.append(f"| {r['phase']} | {r['created']} | {r['refused']} | {r['per_s']:,.0f} | {r['p50_ms']:.2f} | "
-                   f"{r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {extra} |")
+        out.append(f"| {r['phase']} | {r['created']} | {r['refused']} | {r['failed']} | {r['per_s']:,.0f} | "
+                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {extra} |")
+    out += failures(report["rows"])
     best = max((r for r in report["rows"] if r["phase"].startswith("allocator")), key=lambda r: r["per_s"])
     ok = best["per_s"] >= 5000 and best["p99_ms"] <= 5
     out += ["", f"{'PASS' if ok else 'MISS'}  >= 5,000 placements/s with p99 <= 5 ms through the allocator: "

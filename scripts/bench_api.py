@@ -61,17 +61,22 @@ def _vgpus(req: Req) -> list[tuple[str, int]]:
     return list(collections.Counter(req.profiles).items())
 
 
-def _stats(latencies: Sequence[float], wall: float, created: int, refused: int) -> dict[str, Any]:
+def _stats(latencies: Sequence[float], wall: float, created: int, refused: int,
+           failed: collections.Counter[str] | None = None) -> dict[str, Any]:
     lat = sorted(latencies)
-    return {"created": created, "refused": refused, "wall_s": wall, "per_s": created / wall if wall else 0.0,
+    failed = failed or collections.Counter()
+    return {"created": created, "refused": refused, "failed": sum(failed.values()), "errors": dict(failed),
+            "wall_s": wall, "per_s": created / wall if wall else 0.0,
             "p50_ms": 1000 * statistics.median(lat) if lat else 0.0,
             "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0}
 
 
 def _fan_out(reqs: Sequence[Req], clients: int, one: Callable[[int, Req], bool]) -> dict[str, Any]:
-    """Run `one(client, req)` for every request from `clients` threads (request i on thread i mod clients)."""
+    """Run `one(client, req)` for every request from `clients` threads (request i on thread i mod clients); a
+    request that fails (raises) is counted by its error and its thread goes on."""
     latencies: list[float] = []
     outcome = {"created": 0, "refused": 0}
+    failed: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     start = threading.Barrier(clients + 1)
 
@@ -79,11 +84,17 @@ def _fan_out(reqs: Sequence[Req], clients: int, one: Callable[[int, Req], bool])
         start.wait()
         for req in reqs[k::clients]:
             t0 = time.perf_counter()
-            ok = one(k, req)
+            try:
+                ok: bool | None = one(k, req)
+            except Exception as exc:  # the table reports it
+                ok, why = None, f"{type(exc).__name__}: {str(exc)[:120]}"
             dt = time.perf_counter() - t0
             with lock:
                 latencies.append(dt)
-                outcome["created" if ok else "refused"] += 1
+                if ok is None:
+                    failed[why] += 1
+                else:
+                    outcome["created" if ok else "refused"] += 1
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
     for t in threads:
@@ -92,7 +103,7 @@ def _fan_out(reqs: Sequence[Req], clients: int, one: Callable[[int, Req], bool])
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return _stats(latencies, time.perf_counter() - t0, outcome["created"], outcome["refused"])
+    return _stats(latencies, time.perf_counter() - t0, outcome["created"], outcome["refused"], failed)
 
 
 class Store:
@@ -263,13 +274,18 @@ def render(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
     """The table (Markdown)."""
     out = [f"VM creates at {args.gpus:,} GPUs, {args.requests} requests, {args.clients} concurrent callers "
            "(simulated hosts; ratio = rate / in-process rate in the same run; target: http >= 0.5)", "",
-           "| store | phase | created | refused | VMs/s | p50 ms | p99 ms | ratio | target |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           "| store | phase | created | refused | failed | VMs/s | p50 ms | p99 ms | ratio | target |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         target = "-" if r["phase"] == "in-process" else ("met" if r["ratio"] >= 0.5 else "missed")
-        out.append(f"| {r['backend']} | {r['phase']} | {r['created']} | {r['refused']} | {r['per_s']:.1f} | "
-                   f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['ratio']:.2f} | {target} |")
-    return "\n".join(out)
+        out.append(f"| {r['backend']} | {r['phase']} | {r['created']} | {r['refused']} | {r['failed']} | "
+                   f"{r['per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['ratio']:.2f} | {target} |")
+    return "\n".join(out + failures(rows))
+
+
+def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per phase and error that failed requests (not refusals), with how many."""
+    return [f"  {r['phase']}: {n} failed with {why}" for r in rows for why, n in r.get("errors", {}).items()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,22 @@ def test_a_tiny_fleet_prints_every_phase(store: str, capsys: pytest.CaptureFixtu
     phases = ["store path", "store path, 4 callers", "allocator", "allocator, 4 callers"]
     assert [p for p in rows if p != "phase"] == phases
     for phase in phases:
-        placed, refused = int(rows[phase][0]), int(rows[phase][1])
-        assert placed + refused == 20 and placed > 0 and float(rows[phase][2].replace(",", "")) > 0
-    assert float(rows["allocator, 4 callers"][6]) >= 1.0  # claims per commit
+        placed, refused, failed = (int(c) for c in rows[phase][:3])
+        assert placed + refused == 20 and failed == 0 and placed > 0 and float(rows[phase][3].replace(",", "")) > 0
+    assert float(rows["allocator, 4 callers"][7]) >= 1.0  # claims per commit
     assert out[-1].startswith(("PASS", "MISS"))
+
+
+def test_a_failed_request_is_counted_and_its_caller_goes_on() -> None:
+    bench_api = load_script("bench_api")
+    reqs = bench_api.request_sequence(bench_api.load_catalog(), 7, 12)
+
+    def one(k: int, req: object) -> bool:
+        if reqs.index(req) % 4 == 1:
+            raise RuntimeError("store unreachable")
+        return reqs.index(req) % 4 != 2
+
+    out = bench_api._fan_out(reqs, 2, one)
+    assert (out["created"], out["refused"], out["failed"]) == (6, 3, 3)
+    assert out["errors"] == {"RuntimeError: store unreachable": 3}
+    assert bench_api.failures([{"phase": "p", **out}]) == ["  p: 3 failed with RuntimeError: store unreachable"]
