@@ -6,6 +6,7 @@ run writes nothing; the results are typed."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -375,3 +376,46 @@ def test_two_controllers_alternate_on_one_store(two_controllers: tuple[Controlle
     with pytest.raises(NoCapacity):
         req(two, "full", "A100D-10C", pool="inference")
     check_store_invariants(one.engine)
+
+
+
+def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rival thread takes the claim's slot after each of its reads. The claim wins no race until, after
+    CONTENDED_AFTER of them, it reads, plans and writes in its turn: the rival's write then waits for it."""
+    ctl = acme
+    ctl.create_tenant("rival")
+    original = claim.plan
+    me = threading.get_ident()
+    rivals: list[threading.Thread] = []
+    taken: list[VmInfo] = []
+
+    def plan_then_rival(*args: Any, **kw: Any) -> Any:
+        chosen = original(*args, **kw)
+        if chosen is not None and threading.get_ident() == me:
+            name = f"r{len(rivals)}"
+            t = threading.Thread(target=lambda: taken.append(req(ctl, name, "A100D-10C", tenant="rival")))
+            rivals.append(t)
+            t.start()
+            t.join(timeout=2)  # done at once, unless it waits for this claim's turn
+        return chosen
+
+    turns = ctl.ctx.claim_turn
+    held: list[int] = []  # connections out of the pool whenever this thread asks for the turn
+
+    def turn_after_the_connection() -> Any:
+        if threading.get_ident() == me:
+            held.append(ctl.engine.pool.checkedout())  # type: ignore[attr-defined]
+        return turns()
+
+    monkeypatch.setattr(claim, "plan", plan_then_rival)
+    monkeypatch.setattr(ctl.ctx, "claim_turn", turn_after_the_connection)
+    vm = req(ctl, "a", "A100D-10C")  # only the pinned GPU takes A100D-10C: the rival plans the same slot
+    for t in rivals:
+        t.join()
+    assert len(rivals) == claim.CONTENDED_AFTER + 1 and len(taken) == len(rivals)
+    # Asked for after the connection, as by every write: the other order deadlocks when the pool runs out.
+    assert len(held) == len(rivals) + 1 and min(held) >= 1
+    starts = [v.devices[0].start for v in [vm, *taken]]
+    assert sorted(starts) == list(range(0, 10 * len(starts), 10))
+    assert usage(ctl)[("*", "vms")] == (1, None) and usage(ctl, "rival")[("*", "vms")] == (len(taken), None)
+    check_store_invariants(ctl.engine)
