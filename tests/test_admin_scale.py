@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opsfixtures import DEMO, Store, cli, cli_json, clone, events_of, snapshot, template_store
+from pydantic import BaseModel, ValidationError
 
 from vgpu_ctl import InventoryError, load_catalog
 from vgpu_ctl import inventory as inventory_mod
@@ -105,7 +108,7 @@ def test_the_c_loader_is_used_when_pyyaml_has_it() -> None:
 @pytest.mark.parametrize("text", [
     "a: &x {b: 1}\nc: *x\n", "a: &x [1, *x]\n", "<<: {a: 1}\nb: 2\n", "? [1]\n: 2\n", "a: !foo 1\n",
     "a: 2020-01-01\nb: !!binary aGk=\n", "a: [1, 2.5, true, null, ~, .inf, 0x1f, '1', \"x\"]\n", "!!set {a, b}\n",
-    "- !!str 1\n- {a: {b: [c, {d: e}]}}\n", "{}", "x",
+    "- !!str 1\n- {a: {b: [c, {d: e}]}}\n", "{}", "x", "=: [1]\n",
 ])
 def test_the_plain_builder_gives_what_pyyaml_gives(text: str) -> None:
     def load(loader: type[yaml.SafeLoader]) -> object:
@@ -122,6 +125,39 @@ def test_the_plain_builder_gives_what_pyyaml_gives(text: str) -> None:
     assert ours == theirs
     if isinstance(theirs, dict) and "c" in theirs and theirs.get("a") is theirs.get("c"):
         assert isinstance(ours, dict) and ours["a"] is ours["c"]  # an alias is one shared object, as in PyYAML
+
+
+# Plain scalars from characters that start YAML's implicit types and others, as keys and as values, in block
+# and flow style: the loader's shortcut past PyYAML's resolver must give PyYAML's own result (or its error).
+_TOKENS = ["true", "False", "yes", "No", "ON", "off", "y", "n", "null", "Null", "~", "", "0", "-1", "+2", "1_000",
+           "0x1f", "0o17", "017", "1:20", "3.5", "-.5", "1e3", ".inf", "-.Inf", ".nan", "2001-12-14", "=", "<<",
+           "A100-80GB", "vgpu-equal", "name", "nvidia-35", "t", "f", "o"]
+_SCALAR = st.one_of(st.sampled_from(_TOKENS), st.text(alphabet="aZnNyYtTfFoOeslu~0129.+-_:<=!&* x", max_size=8),
+                    st.builds(str.__add__, st.sampled_from(_TOKENS), st.sampled_from(_TOKENS)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_SCALAR, _SCALAR), min_size=1, max_size=6), st.booleans())
+def test_the_loader_resolves_plain_scalars_as_pyyaml_does(pairs: list[tuple[str, str]], flow: bool) -> None:
+    if flow:
+        text = "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}\n"
+    else:
+        text = "".join(f"{k}: [{v}, '{v}']\n" for k, v in pairs)
+    test_the_plain_builder_gives_what_pyyaml_gives(text)
+    test_the_plain_builder_gives_what_pyyaml_gives(f"- {pairs[0][1]}\n- {pairs[0][0]}\n")
+
+
+def _declarations() -> list[type[BaseModel]]:
+    return [m for m in vars(inventory_mod).values()
+            if isinstance(m, type) and issubclass(m, inventory_mod._Strict) and m is not inventory_mod._Strict]
+
+
+@pytest.mark.parametrize("model,field", [(m, f) for m in _declarations() for f, info in m.model_fields.items()
+                                         if info.annotation in (int, float)])
+def test_every_number_of_an_inventory_refuses_yaml_booleans(model: type[BaseModel], field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        model.model_validate({field: True})
+    assert any(e["loc"] == (field,) and "expected a number, got true" in e["msg"] for e in err.value.errors())
 
 
 BROKEN_SYNTAX = """pools:

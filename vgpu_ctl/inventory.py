@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from vgpu_ctl.catalog import Catalog
@@ -112,16 +112,15 @@ def check_int(field: str, value: object, low: int = 0, high: int = MAX_LIMIT) ->
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, v: object, info: ValidationInfo) -> object:
-        """YAML's true/false is no number: refused where a number is expected."""
-        if not isinstance(v, bool):  # the common case first: no field lookup per value
-            return v
-        ann = cls.model_fields[info.field_name].annotation if info.field_name else None
-        if ann in (int, float):
+
+def _numbers(*fields: str) -> Any:
+    """A validator, run first, that refuses YAML's true/false in these number fields (a bool is an int to
+    Python). Named per model, not on every field: a 100k-GPU file has 600,000 fields and none a number."""
+    def no_bools(cls: type[BaseModel], v: object) -> object:
+        if isinstance(v, bool):
             raise ValueError(f"expected a number, got {str(v).lower()}")
         return v
+    return field_validator(*fields, mode="before")(no_bools)
 
 
 class _Named(_Strict):
@@ -145,6 +144,8 @@ class TaskDecl(_Strict):
     vcpus: int = Field(default=0, ge=0, le=MAX_VM_VCPUS)
     memory_mib: int = Field(default=0, ge=0, le=MAX_MEMORY_MIB)
     weight: float = Field(gt=0, le=1e9)
+
+    _no_bool_numbers = _numbers("gpus", "vcpus", "memory_mib", "weight")
 
 
 class PoolDecl(_Named):
@@ -230,6 +231,8 @@ class HostDecl(_Named):
     victim_modes: dict[str, list[Literal["requeue", "hibernate", "cancel"]]] | None = None
     gpus: list[GpuDecl] = []
 
+    _no_bool_numbers = _numbers("vcpus", "memory_mib", "cpu_overcommit", "memory_overcommit")
+
     @field_validator("uri")
     @classmethod
     def _uri(cls, v: str) -> str:
@@ -303,18 +306,24 @@ def _field_name(loc: Sequence[int | str]) -> str:
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside: building a large inventory (a million small objects, none of them in
-    a cycle) otherwise sets off a full collection again and again, which tripled the time of a 100k-GPU file."""
+    a cycle) otherwise sets off a full collection again and again, which tripled the time of a 100k-GPU file.
+    What the block made (and still holds) then goes to the oldest generation at once (`freeze`, `unfreeze`):
+    left in the youngest, the first collection after the block walked every one of those objects (0.15-0.2 s
+    for a 100k-GPU file); in the oldest they wait for the next full collection, as long-lived objects do."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
 _BASE_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, if built with it
 _STR, _SEQ, _MAP = "tag:yaml.org,2002:str", "tag:yaml.org,2002:seq", "tag:yaml.org,2002:map"
+_VALUE = "tag:yaml.org,2002:value"
 
 
 class _Unusual(Exception):
@@ -327,6 +336,23 @@ class _InventoryLoader(_BASE_LOADER):  # type: ignore[valid-type,misc]
     (two thirds of the time of a 100k-GPU file). Other scalars (numbers, booleans, null, timestamps) are
     constructed by PyYAML; a document with anything else (merge keys, a node used twice through an alias,
     a non-scalar key, another tag) is constructed by PyYAML from the start, so the result is always PyYAML's."""
+
+    # The first characters PyYAML's implicit types (numbers, booleans, null, timestamps, ...) can start with.
+    # Exact only without path resolvers or resolvers for any first character, as PyYAML's safe loader has.
+    _MAYBE_TYPED = frozenset(k for k in _BASE_LOADER.yaml_implicit_resolvers if k)
+    _EXACT = not _BASE_LOADER.yaml_path_resolvers and None not in _BASE_LOADER.yaml_implicit_resolvers
+
+    def resolve(self, kind: type[yaml.Node], value: Any, implicit: tuple[bool, bool]) -> Any:
+        """The tag PyYAML's resolver gives a node, without its lookups and regular expressions for a scalar that
+        is quoted or starts with a character no implicit type starts with (most of an inventory's keys and
+        values: a string), nor for a sequence or mapping. A fifth of a 100k-GPU file's parse went to them."""
+        if not self._EXACT:
+            return super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode:
+            if implicit[0] and (not value or value[0] in self._MAYBE_TYPED):
+                return super().resolve(kind, value, implicit)
+            return _STR
+        return _SEQ if kind is yaml.SequenceNode else _MAP
 
     def construct_document(self, node: yaml.Node) -> Any:
         """The document's data, built from its nodes."""
@@ -352,7 +378,8 @@ class _InventoryLoader(_BASE_LOADER):  # type: ignore[valid-type,misc]
             for k, v in node.value:
                 if type(k) is not scalar or k.tag == "tag:yaml.org,2002:merge":
                     raise _Unusual
-                out[k.value if k.tag == _STR else plain(k, seen)] = \
+                # A `=` key is the string "=" (PyYAML's flatten_mapping retags it): a string of its own.
+                out[k.value if k.tag in (_STR, _VALUE) else plain(k, seen)] = \
                     v.value if type(v) is scalar and v.tag == _STR else plain(v, seen)
             return out
         raise _Unusual
