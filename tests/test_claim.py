@@ -27,7 +27,7 @@ from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import claim
 from vgpu_ctl.service.requests import VgpuRequest, VmRequest
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.tables import GPU
+from vgpu_ctl.store.tables import GPU, POOL
 
 
 @pytest.fixture
@@ -379,11 +379,15 @@ def test_two_controllers_alternate_on_one_store(two_controllers: tuple[Controlle
 
 
 
-def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("policy", ["pack", "spread-load"])  # spread-load reads GPU loads on a side connection
+def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, monkeypatch: pytest.MonkeyPatch,
+                                                            policy: str) -> None:
     """A rival thread takes the claim's slot after each of its reads. The claim wins no race until, after
     CONTENDED_AFTER of them, it reads, plans and writes in its turn: the rival's write then waits for it."""
     ctl = acme
     ctl.create_tenant("rival")
+    with ctl.engine.begin() as conn:
+        conn.execute(update(POOL).where(POOL.c.name == "inference").values(policy=policy))
     original = claim.plan
     me = threading.get_ident()
     rivals: list[threading.Thread] = []
@@ -393,7 +397,8 @@ def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, mo
         chosen = original(*args, **kw)
         if chosen is not None and threading.get_ident() == me:
             name = f"r{len(rivals)}"
-            t = threading.Thread(target=lambda: taken.append(req(ctl, name, "A100D-10C", tenant="rival")))
+            t = threading.Thread(target=lambda: taken.append(req(ctl, name, "A100D-10C", tenant="rival",
+                                                                 pool="inference")))
             rivals.append(t)
             t.start()
             t.join(timeout=2)  # done at once, unless it waits for this claim's turn
@@ -409,12 +414,13 @@ def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, mo
 
     monkeypatch.setattr(claim, "plan", plan_then_rival)
     monkeypatch.setattr(ctl.ctx, "claim_turn", turn_after_the_connection)
-    vm = req(ctl, "a", "A100D-10C")  # only the pinned GPU takes A100D-10C: the rival plans the same slot
+    vm = req(ctl, "a", "A100D-10C", pool="inference")  # only its pinned GPU takes A100D-10C: the rival plans
     for t in rivals:
         t.join()
     assert len(rivals) == claim.CONTENDED_AFTER + 1 and len(taken) == len(rivals)
-    # Asked for after the connection, as by every write: the other order deadlocks when the pool runs out.
-    assert len(held) == len(rivals) + 1 and min(held) >= 1
+    # Asked for after the connection, as by every write: the other order deadlocks when the pool runs out. The
+    # contended try has both its connections (the claim's and the side one) when it asks.
+    assert len(held) == len(rivals) + 1 and min(held) >= 1 and held[claim.CONTENDED_AFTER] == 2
     starts = [v.devices[0].start for v in [vm, *taken]]
     assert sorted(starts) == list(range(0, 10 * len(starts), 10))
     assert usage(ctl)[("*", "vms")] == (1, None) and usage(ctl, "rival")[("*", "vms")] == (len(taken), None)
