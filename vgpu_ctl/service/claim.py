@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
@@ -236,20 +236,17 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool, contended: bool) ->
     try (it lost races before) holds the claim turn from its read on."""
     from vgpu_ctl.service import scheduling
     # Retrying alone, a claim can lose every race to the others planning the same best slot (a pack pool sends
-    # them all there). The turn is taken after every connection the try needs (the side one reads GPU loads for
-    # spread-load), as every claim's write takes it after its connection: asking the pool for a connection while
-    # holding the turn deadlocks with claims that hold the pool's connections and wait for the turn.
-    with ctl.engine.connect() as conn, ExitStack() as held:
-        side = held.enter_context(ctl.engine.connect()) if contended else None
-        if contended:
-            held.enter_context(ctl.ctx.claim_turn())
+    # them all there). The turn is taken after the connection, as every claim's write takes it, and the try
+    # reads nothing on another: asking the pool for a connection while holding the turn deadlocks with claims
+    # that hold the pool's connections and wait for the turn.
+    with ctl.engine.connect() as conn, ctl.ctx.claim_turn() if contended else nullcontext():
         ask = read_ask(ctl, conn, req, offers_too=False)
         if isinstance(ask, AlreadyMade):
             return ask
         reasons: list[dict[str, Any]] = []
         cls: PriorityClass | None = None
         for pool in ask.pools:
-            chosen, page = _plan_in_pool(ctl, conn, ask.preq, pool, ask.pool_names, side)
+            chosen, page = _plan_in_pool(ctl, conn, ask.preq, pool, ask.pool_names)
             if chosen is None and req.pool:  # the named pool was not asked whether it offers the profiles
                 check_profiles(conn, ctl.catalog, req, ask.pools)
             if chosen is not None and cls is None:  # in the read: the write only sends and checks
@@ -319,18 +316,13 @@ def _write_step_by_step(ctl: Controller, conn: Tx, ask: Ask, req: VmRequest, poo
 
 
 def _plan_in_pool(ctl: Controller, conn: Tx, preq: PlacementRequest, pool: PoolRow,
-                  pool_names: Mapping[int, str], side: Tx | None = None
-                  ) -> tuple[PlacementPlan | None, alloc.Candidates]:
-    """The pool policy's plan over the pool's candidate pages, page by page, with the page it came from (GPU
-    loads read on `side`, or a connection of its own)."""
+                  pool_names: Mapping[int, str]) -> tuple[PlacementPlan | None, alloc.Candidates]:
+    """The pool policy's plan over the pool's candidate pages, page by page, with the page it came from."""
     by_load = pool.policy == "spread-load"
-    if by_load:  # weighs what the pool's GPUs were last measured doing
+    if by_load:  # weighs what the pool's GPUs were last measured doing (read with the claim's other reads)
         from vgpu_ctl.core.policies.spread_load import make_with_load
         from vgpu_ctl.service import gpu_loads
-        # Not on `conn`: the claim's reads there stay outside SQLAlchemy.
-        with nullcontext(side) if side is not None else ctl.engine.connect() as loads:
-            policy = make_with_load(gpu_loads.recent(loads, pool.id))
-            loads.rollback()  # the read ends here, also on a side connection the claim holds on to
+        policy = make_with_load(gpu_loads.recent(conn, pool.id))
     else:
         policy = pool_policy(pool.policy, pool.demand)
     for page in alloc.candidate_pages(conn, ctl.catalog, preq, pool.id, policy.order, pool_names,
