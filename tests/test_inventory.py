@@ -283,6 +283,17 @@ def test_removing_empty_gpu_and_host(ctl: Controller, tmp_path: Path) -> None:
     assert [h["name"] for h in ctl.inventory()["hosts"]] == ["kvm-a100-01", "kvm-h100-01"]
 
 
+def test_an_empty_gpu_left_out_is_kept_or_removed_with_prune(ctl: Controller, tmp_path: Path) -> None:
+    path = _demo_edit(tmp_path, '      - {pci: "0000:61:00.0", model: A100-80GB, mode: vgpu-equal, pool: training}\n',
+                      "")
+    kept = [(c["action"], c["kind"], c["name"]) for c in ctl.apply_inventory(path)]
+    assert kept == [("keep", "gpu", "kvm-a100-01/0000:61:00.0")]
+    removed = [(c["action"], c["kind"], c["name"]) for c in ctl.apply_inventory(path, prune=True)]
+    assert removed == [("remove", "gpu", "kvm-a100-01/0000:61:00.0")]
+    gpus = [g["pci"] for h in ctl.inventory()["hosts"] if h["name"] == "kvm-a100-01" for g in h["gpus"]]
+    assert "0000:61:00.0" not in gpus and len(gpus) == 3
+
+
 def test_draining_state_applies(ctl: Controller, tmp_path: Path) -> None:
     path = _demo_edit(tmp_path, "    labels: {rack: r3, zone: b}\n",
                       "    labels: {rack: r3, zone: b}\n    state: draining\n")

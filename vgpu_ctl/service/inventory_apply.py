@@ -6,7 +6,6 @@ with `prune`; without it, each such object is reported as a `keep` change and le
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -16,7 +15,6 @@ from vgpu_ctl.errors import Conflict
 from vgpu_ctl.inventory import GpuDecl, HostDecl, InventoryDecl, PoolDecl, paused_gc
 from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.ports import STORE, Tx
-from vgpu_ctl.store.inventory import Row
 
 Change = dict[str, Any]
 
@@ -102,7 +100,7 @@ def _apply(conn: Tx, catalog: Catalog, inv: InventoryDecl, progress: Callable[[i
     pool_ids = store.pool_ids(conn)
 
     hosts = store.host_rows(conn)
-    gpus_of = store.gpu_rows(conn)
+    gpus_of = store.gpu_declarations(conn, _DECLARED)
     declared_hosts = {h.name for h in inv.hosts}
     gpus = _GpuWriter(conn, catalog, pool_ids)
     new_hosts: list[dict[str, Any]] = []
@@ -174,7 +172,6 @@ class _GpuWriter:
         self.pool_names = {v: k for k, v in pool_ids.items()}
         self._fields: dict[tuple[Any, ...], tuple[dict[str, Any], int, int, tuple[Any, ...]]] = {}
         self._new: list[tuple[str | int, dict[str, Any]]] = []  # (host id, or name while it has none; row)
-        self._stored = operator.itemgetter(*_DECLARED)  # a row's declared columns
 
     def _declared(self, g: GpuDecl) -> tuple[dict[str, Any], int, int, tuple[Any, ...]]:
         """(columns the declaration sets, axis units, fit mask of the GPU empty, the columns' values in the order
@@ -188,15 +185,16 @@ class _GpuWriter:
                                          tuple(fields[c] for c in _DECLARED))
         return found
 
-    def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, Row], prune: bool) -> list[Change]:
-        """The changes to host `h`'s GPUs (`existing`: the store's, by PCI address; `host_id` None for a host
-        being added)."""
+    def plan(self, h: HostDecl, host_id: int | None, existing: Mapping[str, tuple[int, tuple[Any, ...]]],
+             prune: bool) -> list[Change]:
+        """The changes to host `h`'s GPUs (`existing`: the store's ids and declared columns, by PCI address;
+        `host_id` None for a host being added). A GPU's whole row is read only when it changes or goes."""
         changes: list[Change] = []
         for g in h.gpus:
             fields, axis, fits, values_now = self._declared(g)
             label = f"{h.name}/{g.pci}"
-            row = existing.get(g.pci)
-            if row is None:
+            found = existing.get(g.pci)
+            if found is None:
                 self._new.append((h.name if host_id is None else host_id,
                                   {"pci_address": g.pci, "axis_units": axis, "free_units": axis, "fits": fits,
                                    **fields}))
@@ -204,8 +202,9 @@ class _GpuWriter:
                 changes.append({"action": "add", "kind": "gpu", "name": label,
                                 "fields": _named(shown, self.pool_names)})
                 continue
-            if self._stored(row) == values_now:  # as declared: the common case of a re-apply
+            if found[1] == values_now:  # as declared: the common case of a re-apply
                 continue
+            row = STORE.inventory.gpu_row(self.conn, found[0])
             d = _diff(row, fields)
             if not d:
                 continue
@@ -226,12 +225,13 @@ class _GpuWriter:
             changes.append({"action": "update", "kind": "gpu", "name": label,
                             "fields": _named(d, self.pool_names)})
         declared = {g.pci for g in h.gpus}
-        for pci, row in existing.items():
+        for pci, (gpu_id, _) in existing.items():
             if pci in declared:
                 continue
             if not prune:
                 changes.append(_keep("gpu", f"{h.name}/{pci}"))
                 continue
+            row = STORE.inventory.gpu_row(self.conn, gpu_id)
             if row["device_count"]:
                 vms = STORE.inventory.vms_on_gpus(self.conn, [row["id"]])
                 raise Conflict(f"GPU {h.name}/{pci} is not in the file but holds devices of VMs {', '.join(vms)}",

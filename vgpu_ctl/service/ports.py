@@ -367,8 +367,11 @@ class InventoryStore(Protocol):
     def host_rows(self, tx: Tx) -> dict[str, Row]:
         """Every host, by name."""
 
-    def gpu_rows(self, tx: Tx) -> dict[int, dict[str, Row]]:
-        """Every GPU, by host id and PCI address."""
+    def gpu_declarations(self, tx: Tx, columns: Sequence[str]) -> dict[int, dict[str, tuple[int, tuple[Any, ...]]]]:
+        """Every GPU's id and the values of `columns`, by host id and PCI address."""
+
+    def gpu_row(self, tx: Tx, gpu_id: int) -> Row:
+        """One GPU's whole row."""
 
     def update_host(self, tx: Tx, host_id: int, fields: Mapping[str, Any]) -> None:
         """Set a host's columns."""
