@@ -4,11 +4,9 @@ way, `write()`; reads use `read()`."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -28,7 +26,6 @@ class Database:
         if self.checkpointer is not None:  # a store dropped without close() leaves no thread behind
             weakref.finalize(self, self.checkpointer.stop_soon)
         self._writers = WriterQueue.for_engine(self.engine)
-        self._claimers = threading.RLock()
 
     @contextmanager
     def write(self) -> Iterator[Tx]:
@@ -44,12 +41,6 @@ class Database:
     def write_turn(self) -> AbstractContextManager[None]:
         """Wait for this process's turn to write (SQLite: the writer queue; PostgreSQL: no wait)."""
         return self._writers.turn() if self._writers is not None else nullcontext()
-
-    def claim_turn(self) -> AbstractContextManager[Any]:
-        """Wait for this process's turn to claim: on SQLite the writer queue (a turn among the store's
-        processes), elsewhere a lock among this store's threads in the process. A claim writes in its turn; one
-        that keeps losing races to other claims holds it from its read on, so none of theirs lands between."""
-        return self._writers.turn() if self._writers is not None else self._claimers
 
     def close(self) -> None:
         """Release the connections, stop the checkpointer and close the writer queue."""
