@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Integer, bindparam, func, select
+from sqlalchemy import Integer, bindparam, func, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -222,6 +222,37 @@ def test_a_violation_seen_inside_the_block_is_raised_once_and_the_pipeline_ends_
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     with engine.begin() as conn:  # the connection works on
         assert names.rows(conn) == [("acme",)]
+
+
+def test_a_result_left_unread_holds_no_snapshot_on_sqlite(sqlite_url: str) -> None:
+    """A statement whose rows nobody read to the end (a claim's charge when a later write of it failed, or a
+    multi-row read asked for one row) is finished when it runs: the connection's next write starts though
+    another connection wrote meanwhile. An unfinished SQLite statement keeps its connection in a read of the
+    old snapshot, and BEGIN IMMEDIATE then fails at once with 'database is locked'."""
+    e = make_engine(sqlite_url)
+    migrate.upgrade(e)
+    with e.begin() as conn:
+        for name in ("acme", "beta", "gamma"):
+            _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": name}))
+    names = Prepared(select(TENANT.c.name).order_by(TENANT.c.name))
+    renamed = Prepared(update(TENANT).where(TENANT.c.name != "acme").values(vms_limit=10)
+                       .returning(TENANT.c.name))
+    try:
+        with e.connect() as conn:
+            with conn.begin():
+                changed = renamed.run(conn)  # two rows, none read before the commit
+            first = names.run(conn)
+            assert first.fetchone() == ("acme",)  # one of three rows read
+            with e.begin() as other:  # another connection writes
+                other.execute(update(TENANT).values(vms_limit=20))
+            with conn.begin():  # BEGIN IMMEDIATE on the connection holding both results
+                _INSERT_TENANT.run(conn, fill_defaults(TENANT, {"name": "delta"}))
+            assert first.fetchall() == [("beta",), ("gamma",)]
+            assert changed.rowcount == 2 and sorted(changed.fetchall()) == [("beta",), ("gamma",)]
+        with e.connect() as conn:
+            assert _tenants(conn) == ["acme", "beta", "delta", "gamma"]
+    finally:
+        e.dispose()
 
 
 def test_run_many(engine: Engine) -> None:

@@ -222,9 +222,45 @@ def _driver(conn: Connection) -> Any:
 
 def _execute(conn: Connection, c: _Compiled, params: Any) -> Any:
     try:
-        return _driver(conn).execute(c.sql, params)
+        cur = _driver(conn).execute(c.sql, params)
+        return _Finished(cur) if conn.dialect.name == "sqlite" else cur
     except conn.dialect.loaded_dbapi.Error as exc:
         raise _wrapped(conn, c, exc) from exc
+
+
+class _Finished:
+    """A SQLite statement's whole result, read when it runs (as a cursor offers it: fetchone, fetchall,
+    iteration, rowcount, description). A statement left unfinished keeps its connection in a read transaction,
+    even after COMMIT or ROLLBACK and back in the pool: that connection's next BEGIN IMMEDIATE then fails at
+    once with 'database is locked' (SQLite does not wait for a connection that holds an old snapshot), as
+    happened to a claim after the batch before it failed with the charge's answer unread."""
+
+    __slots__ = ("_at", "_rows", "description", "rowcount")
+
+    def __init__(self, cur: Any) -> None:
+        try:
+            self._rows: list[Any] = cur.fetchall()
+            self.rowcount: int = cur.rowcount  # after the rows: an UPDATE ... RETURNING counts them as read
+            self.description: Any = cur.description
+        finally:
+            cur.close()
+        self._at = 0
+
+    def fetchone(self) -> Any:
+        """The next row, or None."""
+        if self._at >= len(self._rows):
+            return None
+        self._at += 1
+        return self._rows[self._at - 1]
+
+    def fetchall(self) -> list[Any]:
+        """The rows not read yet."""
+        rows, self._at = self._rows[self._at:], len(self._rows)
+        return rows
+
+    def __iter__(self) -> Iterator[Any]:
+        while (row := self.fetchone()) is not None:
+            yield row
 
 
 def _wrapped(conn: Connection, c: _Compiled, exc: Exception) -> Exception:
