@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from vgpu_ctl import Controller
+from vgpu_ctl.store import migrate
+from vgpu_ctl.store.database import Database
 from vgpu_ctl.store.engine import make_engine
+from vgpu_ctl.store.tables import TENANT
 from vgpu_ctl.store.writer_queue import WriterQueue
 
 
@@ -81,3 +86,46 @@ def test_controller_writes_take_the_turn(tmp_path: Path, monkeypatch: pytest.Mon
         assert turns  # an admin write went through the queue
     finally:
         ctl.close()
+
+
+def test_a_write_waits_for_a_connection_before_it_takes_the_turn(tmp_path: Path) -> None:
+    """Claims hold every connection of the pool and wait for the turn while a write starts: the write waits
+    for a connection without holding the turn, so the claims go first and then the write. Taking the turn
+    first, the write held it while it waited for a connection they held: all stalled until the pool's
+    timeout."""
+    db = Database(f"sqlite:///{tmp_path / 's.db'}")
+    migrate.upgrade(db.engine)
+    pool = db.engine.pool
+    held = pool.size() + pool._max_overflow  # type: ignore[attr-defined]  # every connection the pool gives
+    have_connection, go = threading.Barrier(held + 1), threading.Event()
+    done: list[str] = []
+
+    def claim(i: int) -> None:
+        with db.engine.connect():
+            have_connection.wait(10)
+            go.wait(10)
+            with db.write_turn():
+                done.append(f"claim {i}")
+
+    def write() -> None:
+        with db.write() as tx:
+            tx.execute(TENANT.insert().values(name="acme"))
+        done.append("write")
+
+    claims = [threading.Thread(target=claim, args=(i,)) for i in range(held)]
+    for t in claims:
+        t.start()
+    have_connection.wait(10)
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(0.3)  # the write is waiting by now (if not yet, it comes after the claims all the same)
+    go.set()
+    for t in [*claims, writer]:
+        t.join(20)
+    try:
+        assert not any(t.is_alive() for t in [*claims, writer]), "stalled: the turn and the pool wait on each other"
+        assert sorted(done) == sorted([*(f"claim {i}" for i in range(held)), "write"])
+        with db.read() as conn:
+            assert conn.execute(select(TENANT.c.name)).scalars().all() == ["acme"]
+    finally:
+        db.close()

@@ -191,7 +191,7 @@ class Controller:
                                        ) from None
         from vgpu_ctl.service.host_types import discover_hosts, record_all
         found = discover_hosts(self, inv.hosts)  # libvirt hosts: what each calls each profile (no lock held)
-        with self.write_turn(), self.engine.connect() as conn:
+        with self.engine.connect() as conn, self.write_turn():
             trans = conn.begin()
             try:
                 changes = apply_inventory(conn, self.catalog, inv, progress, prune=prune,
@@ -366,7 +366,7 @@ class Controller:
         resource, stored and allocated value). A dry run (the default) changes nothing; otherwise the changes
         are made in one transaction and audited (admin only)."""
         self._admin("db repair-usage")
-        with self.write_turn(), self.engine.connect() as conn, conn.begin() as trans:
+        with self.engine.connect() as conn, self.write_turn(), conn.begin() as trans:
             changes = repair_usage(conn)
             if dry_run:
                 trans.rollback()
@@ -572,7 +572,7 @@ class Controller:
         req = VmRequest(claim.tenant, domain.name[:-len(suffix)], wants, claim.vcpus, claim.memory_mib,
                         vm_id=claim.vm_id)
         req.validate()
-        with self.write_turn(), self.engine.connect() as conn, conn.begin():
+        with self.engine.connect() as conn, self.write_turn(), conn.begin():
             t_id = self._tenant_id(conn, claim.tenant)
             if STORE.vms.vm_row(conn, claim.vm_id) is not None:
                 raise Conflict(f"VM {claim.vm_id} of domain {domain.name!r} is already in this store", reasons=where)

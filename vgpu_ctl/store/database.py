@@ -31,7 +31,7 @@ class Database:
     def write(self) -> Iterator[Tx]:
         """One write transaction, committed at the end of the block (rolled back on an error); on SQLite taken
         with BEGIN IMMEDIATE, in turn with this store's other processes."""
-        with self.write_turn(), self.engine.begin() as conn:
+        with self.engine.connect() as conn, self.write_turn(), conn.begin():
             yield conn
 
     def read(self) -> AbstractContextManager[Tx]:
@@ -39,7 +39,10 @@ class Database:
         return self.engine.connect()
 
     def write_turn(self) -> AbstractContextManager[None]:
-        """Wait for this process's turn to write (SQLite: the writer queue; PostgreSQL: no wait)."""
+        """Wait for this process's turn to write (SQLite: the writer queue; PostgreSQL: no wait). Take it with a
+        connection in hand, never ask the pool for one while holding it: a claim holds its read's connection
+        while it waits for the turn, so a turn holder waiting for a connection would wait for them, and they
+        for it, once they hold all of the pool's connections."""
         return self._writers.turn() if self._writers is not None else nullcontext()
 
     def close(self) -> None:
