@@ -172,6 +172,19 @@ def test_concurrent_callers_never_double_claim_and_quotas_stay_exact(acme: Contr
     check_store_invariants(acme.engine)
 
 
+@pytest.mark.parametrize("path", ["store", "allocator"])
+def test_more_callers_than_pooled_connections_each_get_an_answer(acme: Controller, path: str) -> None:
+    """40 callers at once, more than the pool's 15 connections, all for the 8 slots of one GPU: each is placed
+    or refused for capacity. None waits out the pool's timeout (a write that held the writer turn while it
+    asked for a connection, with the connections held by claims waiting for the turn) or gives up racing."""
+    if path == "allocator":
+        served(acme)
+    got = storm([acme], "A100D-10C", 40, pool="inference")
+    assert got["other"] == [] and len(got["placed"]) == 8 and len(got["refused"]) == 32
+    assert usage(acme)[("*", "vms")] == 8
+    check_store_invariants(acme.engine)
+
+
 def held_storm(ctl: Controller, allocator: Allocator, n: int, profile: str, **kw: Any) -> dict[str, list[Any]]:
     """A storm of `n` whose claims the committer finds queued together: it holds the first batch until the
     other callers have planned and queued theirs, so they are written as one batch."""

@@ -6,7 +6,9 @@ run writes nothing; the results are typed."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +21,14 @@ from conftest import (
     store_snapshot,
     trace_messages,
 )
-from sqlalchemy import update
+from sqlalchemy import event, update
 
 from vgpu_ctl import Conflict, Controller, InvalidInput, NoCapacity, Placement, QuotaExceeded, VmInfo
 from vgpu_ctl.hosts.simulated import SimulatedHost
 from vgpu_ctl.service import claim
 from vgpu_ctl.service.requests import VgpuRequest, VmRequest
 from vgpu_ctl.store.engine import make_engine
-from vgpu_ctl.store.tables import GPU
+from vgpu_ctl.store.tables import GPU, POOL
 
 
 @pytest.fixture
@@ -375,3 +377,67 @@ def test_two_controllers_alternate_on_one_store(two_controllers: tuple[Controlle
     with pytest.raises(NoCapacity):
         req(two, "full", "A100D-10C", pool="inference")
     check_store_invariants(one.engine)
+
+
+
+@pytest.mark.parametrize("policy", ["pack", "spread-load"])  # spread-load reads GPU loads on a side connection
+def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, monkeypatch: pytest.MonkeyPatch,
+                                                            policy: str) -> None:
+    """A rival thread takes the claim's slot after each of its reads. The claim wins no race until, after
+    CONTENDED_AFTER of them, it reads, plans and writes in its turn: the rival's write then waits for it."""
+    ctl = acme
+    ctl.create_tenant("rival")
+    with ctl.engine.begin() as conn:
+        conn.execute(update(POOL).where(POOL.c.name == "inference").values(policy=policy))
+    original = claim.plan
+    me = threading.get_ident()
+    rivals: list[threading.Thread] = []
+    taken: list[VmInfo] = []
+
+    def plan_then_rival(*args: Any, **kw: Any) -> Any:
+        chosen = original(*args, **kw)
+        if chosen is not None and threading.get_ident() == me:
+            name = f"r{len(rivals)}"
+            t = threading.Thread(target=lambda: taken.append(req(ctl, name, "A100D-10C", tenant="rival",
+                                                                 pool="inference")))
+            rivals.append(t)
+            t.start()
+            t.join(timeout=2)  # done at once, unless it waits for this claim's turn
+        return chosen
+
+    turns = ctl.ctx.claim_turn
+    held: list[int] = []  # connections out of the pool whenever this thread asks for the turn
+    in_turn = [0]
+    checkouts_in_turn: list[int] = []  # connections this thread took from the pool while it held the turn
+
+    @contextmanager
+    def turn_after_the_connection() -> Iterator[None]:
+        mine = threading.get_ident() == me
+        if mine:
+            held.append(ctl.engine.pool.checkedout())  # type: ignore[attr-defined]
+        with turns():
+            in_turn[0] += mine
+            try:
+                yield
+            finally:
+                in_turn[0] -= mine
+
+    @event.listens_for(ctl.engine, "checkout")
+    def _checkout(*_: Any) -> None:
+        if threading.get_ident() == me and in_turn[0]:
+            checkouts_in_turn.append(in_turn[0])
+
+    monkeypatch.setattr(claim, "plan", plan_then_rival)
+    monkeypatch.setattr(ctl.ctx, "claim_turn", turn_after_the_connection)
+    vm = req(ctl, "a", "A100D-10C", pool="inference")  # only its pinned GPU takes A100D-10C: the rival plans
+    for t in rivals:
+        t.join()
+    assert len(rivals) == claim.CONTENDED_AFTER + 1 and len(taken) == len(rivals)
+    # Asked for after the connection, as by every write: the other order deadlocks when the pool runs out. The
+    # contended try holds its one connection when it asks, and asks for no other (spread-load's GPU loads too).
+    assert len(held) == len(rivals) + 1 and min(held) >= 1 and held[claim.CONTENDED_AFTER] == 1
+    assert checkouts_in_turn == []
+    starts = [v.devices[0].start for v in [vm, *taken]]
+    assert sorted(starts) == list(range(0, 10 * len(starts), 10))
+    assert usage(ctl)[("*", "vms")] == (1, None) and usage(ctl, "rival")[("*", "vms")] == (len(taken), None)
+    check_store_invariants(ctl.engine)

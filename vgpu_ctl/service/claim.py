@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from vgpu_ctl.service.controller import Controller
 
 MAX_RETRIES = 30
+CONTENDED_AFTER = 3  # races lost before a claim holds its turn from the read on (`Database.claim_turn`)
 
 
 # -- results ----------------------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def claim(ctl: Controller, req: VmRequest, dry_run: bool = False) -> ClaimResult
     NoCapacity explain a refusal (nothing changed); Conflict for a name the tenant uses."""
     for attempt in range(MAX_RETRIES):
         try:
-            return _attempt(ctl, req, dry_run)
+            return _attempt(ctl, req, dry_run, contended=attempt >= CONTENDED_AFTER)
         except alloc.ClaimConflict:
             time.sleep(0.001 * attempt)  # the first retry at once: a conflict means the other claim committed
         except StoreError as exc:
@@ -228,11 +230,16 @@ def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
     return None if vm_id is None else AlreadyMade(vm_id)
 
 
-def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
+def _attempt(ctl: Controller, req: VmRequest, dry_run: bool, contended: bool) -> ClaimResult:
     """One try: plan each pool from a read, then charge and take in a write transaction of its own; the
-    pools in order until one takes the VM. ClaimConflict when the store changed since the read."""
+    pools in order until one takes the VM. ClaimConflict when the store changed since the read. A `contended`
+    try (it lost races before) holds the claim turn from its read on."""
     from vgpu_ctl.service import scheduling
-    with ctl.engine.connect() as conn:
+    # Retrying alone, a claim can lose every race to the others planning the same best slot (a pack pool sends
+    # them all there). The turn is taken after the connection, as every claim's write takes it, and the try
+    # reads nothing on another: asking the pool for a connection while holding the turn deadlocks with claims
+    # that hold the pool's connections and wait for the turn.
+    with ctl.engine.connect() as conn, ctl.ctx.claim_turn() if contended else nullcontext():
         ask = read_ask(ctl, conn, req, offers_too=False)
         if isinstance(ask, AlreadyMade):
             return ask
@@ -246,7 +253,7 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool) -> ClaimResult:
                 cls = scheduling.resolve(conn, ask.tenant_id, req.tenant, req.priority, ask.any_class)
             STORE.claims.read_to_write(conn)
             charges = scoped_charges(pool.name, ask.delta, ask.profiles)  # kept on the VM for its release
-            with ctl.write_turn():
+            with ctl.ctx.claim_turn():
                 if chosen is not None and cls is not None and not dry_run:
                     written = _write_at_once(ctl, conn, ask, req, pool, chosen, page, charges, cls, reasons)
                     if written == "refused":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vgpu_ctl.catalog import Catalog, load_catalog
 from vgpu_ctl.service.fit_masks import ensure_fit_masks
@@ -68,6 +68,10 @@ class ServiceContext:
     def write_turn(self) -> AbstractContextManager[None]:
         """Wait for this process's turn to write (SQLite: the store's writer queue; PostgreSQL: no wait)."""
         return self.db.write_turn()
+
+    def claim_turn(self) -> AbstractContextManager[Any]:
+        """Wait for this process's turn to claim (`Database.claim_turn`)."""
+        return self.db.claim_turn()
 
     def close(self) -> None:
         """Release database connections, host connections and the writer machinery (the allocator's claims

@@ -4,9 +4,11 @@ way, `write()`; reads use `read()`."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -26,6 +28,7 @@ class Database:
         if self.checkpointer is not None:  # a store dropped without close() leaves no thread behind
             weakref.finalize(self, self.checkpointer.stop_soon)
         self._writers = WriterQueue.for_engine(self.engine)
+        self._claimers = threading.RLock()
 
     @contextmanager
     def write(self) -> Iterator[Tx]:
@@ -44,6 +47,13 @@ class Database:
         while it waits for the turn, so a turn holder waiting for a connection would wait for them, and they
         for it, once they hold all of the pool's connections."""
         return self._writers.turn() if self._writers is not None else nullcontext()
+
+    def claim_turn(self) -> AbstractContextManager[Any]:
+        """Wait for this process's turn to claim: on SQLite the writer queue (a turn among the store's
+        processes), elsewhere a lock among this store's threads in the process. A claim writes in its turn; one
+        that keeps losing races to other claims holds it from its read on, so none of theirs lands between.
+        Taken, as `write_turn`, with a connection in hand."""
+        return self._writers.turn() if self._writers is not None else self._claimers
 
     def close(self) -> None:
         """Release the connections, stop the checkpointer and close the writer queue."""
