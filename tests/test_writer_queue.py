@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -127,5 +128,31 @@ def test_a_write_waits_for_a_connection_before_it_takes_the_turn(tmp_path: Path)
         assert sorted(done) == sorted([*(f"claim {i}" for i in range(held)), "write"])
         with db.read() as conn:
             assert conn.execute(select(TENANT.c.name)).scalars().all() == ["acme"]
+    finally:
+        db.close()
+
+
+def test_a_read_holds_no_lock_and_reads_one_snapshot(tmp_path: Path) -> None:
+    """A transaction of a connection for reads (`Database.read`) takes no SQLite lock: writers go on while it
+    lasts, and it goes on reading the store as it was when it began. In the writer turn the same connection
+    begins with BEGIN IMMEDIATE (a claim reads, then writes in its turn), and other writers wait."""
+    path = tmp_path / "s.db"
+    db = Database(f"sqlite:///{path}")
+    migrate.upgrade(db.engine)
+    names = select(TENANT.c.name)
+    try:
+        with db.read() as conn:
+            assert conn.execute(names).all() == [] and conn.in_transaction()
+            with db.write() as tx:
+                tx.execute(TENANT.insert().values(name="acme"))
+            other = sqlite3.connect(path, timeout=0, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")  # no wait allowed: the lock is free
+            other.execute("ROLLBACK")
+            assert conn.execute(names).all() == []  # still the store as it was
+        with db.read() as conn, db.write_turn():
+            assert conn.execute(names).scalars().all() == ["acme"]
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        other.close()
     finally:
         db.close()

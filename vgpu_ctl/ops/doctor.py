@@ -234,7 +234,7 @@ def diagnose(ctl: Controller, stuck_minutes: float = 10.0) -> list[CheckResult]:
     require_admin(ctl, "doctor")
     cutoff = datetime.now(UTC) - timedelta(minutes=stuck_minutes)
     out = []
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         for name, description, check in CHECKS:
             out.append(CheckResult(name, description, list(check(conn, ctl.catalog, cutoff))))
     return out

@@ -131,7 +131,7 @@ def _fair_share(ctl: Controller, conn: Tx) -> Iterator[Metric]:
 
 def collect_metrics(ctl: Controller) -> list[Metric]:
     """Every metric family, read from the store (the scheduling ones in a second transaction)."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         out: list[Metric] = [*_inventory(conn)]
         fits = GaugeMetricFamily(f"{PREFIX}_pool_profile_fits",
                                  "How many more of a profile fit in a pool now (alone, active hosts).",

@@ -131,7 +131,7 @@ def fleet_status(ctl: Controller, pool: str | None = None, host: str | None = No
     if limit is not None:
         check_int("limit", limit, 1, MAX_PAGE)
     check_int("offset", offset, 0)
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         pools = STORE.reports.pool_names(conn)
         pool_ids: list[int] | None = None
         host_id: int | None = None

@@ -9,7 +9,7 @@ from .runtime import Runtime
 
 def server_metrics(rt: Runtime) -> str:
     """Prometheus text lines of this server process."""
-    with rt.ctx.engine.connect() as conn:
+    with rt.ctx.read() as conn:
         by_state = operations_by_state(conn)
     s = rt.stats
     lines = ["# HELP vgpu_operations Operations in the store by state.", "# TYPE vgpu_operations gauge"]

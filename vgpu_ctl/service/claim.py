@@ -224,7 +224,7 @@ def claim(ctl: Controller, req: VmRequest, dry_run: bool = False) -> ClaimResult
 def _made_by_key(ctl: Controller, req: VmRequest) -> AlreadyMade | None:
     """The tenant's VM made with the request's idempotency key, if there is one."""
     assert req.idempotency_key is not None
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         vm_id = STORE.claims.vm_by_key(conn, ctl._tenant_id(conn, req.tenant), req.idempotency_key)
         STORE.claims.end_read_on(conn)
     return None if vm_id is None else AlreadyMade(vm_id)
@@ -239,7 +239,7 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool, contended: bool) ->
     # them all there). The turn is taken after the connection, as every claim's write takes it, and the try
     # reads nothing on another: asking the pool for a connection while holding the turn deadlocks with claims
     # that hold the pool's connections and wait for the turn.
-    with ctl.engine.connect() as conn, ctl.ctx.claim_turn() if contended else nullcontext():
+    with ctl.read() as conn, ctl.ctx.claim_turn() if contended else nullcontext():
         ask = read_ask(ctl, conn, req, offers_too=False)
         if isinstance(ask, AlreadyMade):
             return ask

@@ -61,6 +61,10 @@ class ServiceContext:
         """The revision the store's schema is at (None: empty) and the newest this code knows."""
         return migrate.current_revision(self.engine), migrate.head_revision()
 
+    def read(self) -> AbstractContextManager[Tx]:
+        """A connection for reads (`Database.read`: on SQLite its transactions hold no lock)."""
+        return self.db.read()
+
     def tx(self) -> AbstractContextManager[Tx]:
         """One transaction (SQLite: taken with BEGIN IMMEDIATE, in turn with this store's other processes)."""
         return self.db.write()

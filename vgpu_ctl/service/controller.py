@@ -109,6 +109,10 @@ class Controller:
         self._admin("init")
         return self.ctx.upgrade(refresh_fit_masks)
 
+    def read(self) -> AbstractContextManager[Tx]:
+        """A connection for reads (on SQLite its transactions hold no lock, so writers never wait for them)."""
+        return self.ctx.read()
+
     def tx(self) -> AbstractContextManager[Tx]:
         """One transaction (SQLite: taken with BEGIN IMMEDIATE, in turn with this store's other controllers)."""
         return self.ctx.tx()

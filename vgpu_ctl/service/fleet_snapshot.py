@@ -40,7 +40,7 @@ def fleet_snapshot(ctl: Controller) -> Fleet:
 
 
 def _read(ctl: Controller) -> Fleet:
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         rows = STORE.fleet.fleet_rows(conn)
     gpus: dict[int, list[PlanGpu]] = {}
     for g in rows.gpus:

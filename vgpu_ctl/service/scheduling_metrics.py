@@ -26,7 +26,7 @@ def collect(ctl: Controller) -> list[Metric]:
                                "How long the oldest waiting request of each priority class has waited",
                                labels=["priority_class"])
     now = time.time()
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         for (reason, mode), n in sorted(preemption_counts(conn).items()):
             preemptions.add_metric([reason, mode], n)
         per: dict[str, list[float]] = {}

@@ -142,7 +142,7 @@ def sample_hosts(ctl: Controller, sampler: Sampler | None = None, hosts: Iterabl
     ctl.principal.require_reader("utilization")
     read = sampler or default_sampler(ctl)
     wanted = None if hosts is None else set(hosts)
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         rows = [r for r in STORE.hosts.host_rows(conn) if wanted is None or r.name in wanted]
 
     def one(row: Any) -> HostSample | str:
@@ -180,7 +180,7 @@ def fleet_usage(ctl: Controller, samples: Mapping[str, HostSample], now: float |
     out = FleetUsage(now if now is not None else (max(times) if times else 0.0), hosts=dict(hosts or {}))
     if not samples:
         return out
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         gpu_rows = STORE.utilization.gpus_on_hosts(conn, list(samples))
         dev_rows = STORE.utilization.devices_on_gpus(conn, [g.id for g in gpu_rows])
     gpu_at = {(g.host, g.pci_address.lower()): g for g in gpu_rows}

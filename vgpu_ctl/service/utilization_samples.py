@@ -158,7 +158,7 @@ def stored_usage(ctl: Controller, now: float | None = None, hosts: Iterable[str]
     """The hosts' kept samples (admin or reader; those named, else all), read in one statement, no host called."""
     ctl.principal.require_reader("utilization")
     t = time.time() if now is None else now
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         rows = STORE.utilization.host_samples(conn, None if hosts is None else list(hosts))
     out = StoredUsage(FleetUsage(t))
     for host, r in rows:

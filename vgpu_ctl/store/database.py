@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from vgpu_ctl.store.checkpoint import WalCheckpointer
-from vgpu_ctl.store.engine import make_engine
+from vgpu_ctl.store.engine import READS, make_engine
 from vgpu_ctl.store.unit import Tx
 from vgpu_ctl.store.writer_queue import WriterQueue
 
@@ -38,8 +38,10 @@ class Database:
             yield conn
 
     def read(self) -> AbstractContextManager[Tx]:
-        """A connection for reads (each statement sees the store as committed)."""
-        return self.engine.connect()
+        """A connection for reads (each statement sees the store as committed; on SQLite a transaction of it
+        holds no lock, unless this thread holds the writer turn: a claim reads, then writes in its turn, on one
+        connection)."""
+        return self.engine.connect().execution_options(**{READS: True})
 
     def write_turn(self) -> AbstractContextManager[None]:
         """Wait for this process's turn to write (SQLite: the writer queue; PostgreSQL: no wait). Take it with a

@@ -14,9 +14,12 @@ from sqlalchemy.exc import DisconnectionError
 from sqlmodel import create_engine
 
 from vgpu_ctl.store.prepared import Prepared
+from vgpu_ctl.store.writer_queue import holds_turn, lock_path
 
 DATABASE_URL_ENV = "VGPU_CTL_DATABASE_URL"
 _BEGIN_IMMEDIATE = Prepared(text("BEGIN IMMEDIATE"))
+_BEGIN_DEFERRED = Prepared(text("BEGIN"))
+READS = "vgpu_ctl_reads"  # execution option of a connection for reads (`Database.read`)
 STATE_DIR_ENV = "VGPU_CTL_STATE_DIR"
 PING_AFTER_IDLE_S = 1.0  # a pooled connection idle longer than this is pinged before it is handed out
 
@@ -106,7 +109,16 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
-    # Writers take the lock when the transaction starts, so two claims never deadlock on an upgrade.
+    db = engine.url.database
+    queue = lock_path(db) if db and db != ":memory:" else None
+
+    # Writers take the lock when the transaction starts, so two claims never deadlock on an upgrade. A
+    # connection for reads (READS) outside this thread's writer turn begins a plain WAL read instead: BEGIN
+    # IMMEDIATE would hold SQLite's write lock for as long as the read lasts (a `status` of 100k GPUs, a metrics
+    # scrape), and every writer would wait for it.
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        _BEGIN_IMMEDIATE.run(conn)
+        if queue is not None and conn.get_execution_options().get(READS) and not holds_turn(queue):
+            _BEGIN_DEFERRED.run(conn)
+        else:
+            _BEGIN_IMMEDIATE.run(conn)

@@ -19,12 +19,24 @@ from pathlib import Path
 
 from sqlalchemy.engine import Engine
 
+_held = threading.local()  # .paths: the lock files of the turns this thread holds
+
+
+def lock_path(store_path: str) -> str:
+    """The queue's lock file of the SQLite store file at `store_path`."""
+    return str(Path(store_path).resolve()) + ".lock"
+
+
+def holds_turn(path: str) -> bool:
+    """Whether this thread holds the turn of the queue whose lock file is `path`."""
+    return path in getattr(_held, "paths", ())
+
 
 class WriterQueue:
     """An exclusive file lock (and, within the process, a thread lock) taken around write transactions."""
 
     def __init__(self, store_path: str) -> None:
-        self.path = str(Path(store_path).resolve()) + ".lock"
+        self.path = lock_path(store_path)
         self._fd: int | None = None
         self._threads = threading.RLock()
         self._depth = 0  # turns this thread holds (a nested turn neither waits nor releases)
@@ -45,12 +57,14 @@ class WriterQueue:
                 self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
             if self._depth == 0:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
+                _held.paths = getattr(_held, "paths", frozenset()) | {self.path}
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    _held.paths = _held.paths - {self.path}
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
