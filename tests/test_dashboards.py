@@ -89,7 +89,7 @@ def exported(store: Store) -> dict[str, set[str] | None]:
         reg.register(StoreCollector(ctl))
         reg.register(UtilizationCollector(ctl, IdleRule(0.05, 0)))
         text = generate_latest(reg).decode()
-        rt = SimpleNamespace(ctx=SimpleNamespace(engine=ctl.engine), stats=LoopStats(), leading=True,
+        rt = SimpleNamespace(ctx=ctl.ctx, stats=LoopStats(), leading=True,
                              accepting=True, in_flight=0)
         text += server_metrics(rt)  # type: ignore[arg-type]
     finally:
