@@ -576,7 +576,7 @@ class Controller:
         req = VmRequest(claim.tenant, domain.name[:-len(suffix)], wants, claim.vcpus, claim.memory_mib,
                         vm_id=claim.vm_id)
         req.validate()
-        with self.engine.connect() as conn, self.write_turn(), conn.begin():
+        with self.tx() as conn:
             t_id = self._tenant_id(conn, claim.tenant)
             if STORE.vms.vm_row(conn, claim.vm_id) is not None:
                 raise Conflict(f"VM {claim.vm_id} of domain {domain.name!r} is already in this store", reasons=where)

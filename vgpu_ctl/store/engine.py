@@ -14,7 +14,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlmodel import create_engine
 
 from vgpu_ctl.store.prepared import Prepared
-from vgpu_ctl.store.writer_queue import holds_turn, lock_path
+from vgpu_ctl.store.writer_queue import holds_turn, lock_path, store_file
 
 DATABASE_URL_ENV = "VGPU_CTL_DATABASE_URL"
 _BEGIN_IMMEDIATE = Prepared(text("BEGIN IMMEDIATE"))
@@ -109,8 +109,8 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
-    db = engine.url.database
-    queue = lock_path(db) if db and db != ":memory:" else None
+    db = store_file(engine)
+    queue = None if db is None else lock_path(db)
 
     # Writers take the lock when the transaction starts, so two claims never deadlock on an upgrade. A
     # connection for reads (READS) outside this thread's writer turn begins a plain WAL read instead: BEGIN

@@ -27,6 +27,13 @@ def lock_path(store_path: str) -> str:
     return str(Path(store_path).resolve()) + ".lock"
 
 
+def store_file(engine: Engine) -> str | None:
+    """The file of a SQLite file store, whose writers queue; None for other stores (PostgreSQL queues writers
+    itself, an in-memory SQLite store has one connection)."""
+    db = engine.url.database
+    return db if engine.dialect.name == "sqlite" and db and db != ":memory:" else None
+
+
 def holds_turn(path: str) -> bool:
     """Whether this thread holds the turn of the queue whose lock file is `path`."""
     return path in getattr(_held, "paths", ())
@@ -43,11 +50,9 @@ class WriterQueue:
 
     @classmethod
     def for_engine(cls, engine: Engine) -> WriterQueue | None:
-        """The queue of a SQLite file store; None for other stores (PostgreSQL queues writers itself)."""
-        db = engine.url.database
-        if engine.dialect.name != "sqlite" or not db or db == ":memory:":
-            return None
-        return cls(db)
+        """The queue of a SQLite file store (`store_file`); None for other stores."""
+        db = store_file(engine)
+        return None if db is None else cls(db)
 
     @contextmanager
     def turn(self) -> Iterator[None]:
