@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
+import libvirt
 import pytest
 from hostfixtures import MDEV_UUID, VM_UUID, domain_context, mdev_hostdev, run_simulated_writers
 
@@ -126,6 +131,45 @@ def test_unsafe_host_names_are_refused(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.slow
+def test_threads_define_domains_at_once_from_the_parsers_first_use(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's workers define domains at once, the first while the process's parser is still being set up:
+    every definition lands. The process's connections to test:///default share one driver, so a second setup
+    emptying it, or another thread's undefine, used to take a domain from under a definition ("Domain not
+    found", one create in a few hundred in bench_allocator's HTTP phases)."""
+    from vgpu_ctl.hosts import simulated
+    real, opened = simulated.open_libvirt, []
+
+    def slow_open(uri: str, who: str) -> Any:
+        opened.append(uri)
+        time.sleep(0.05)  # every thread reaches the setup before the first has finished it
+        return real(uri, who)
+
+    libvirt.open("test:///default").defineXML(_domain_xml("left-over", OTHER_UUID))  # for the setup to empty
+    monkeypatch.setattr(simulated, "open_libvirt", slow_open)
+    simulated._parser_connection.cache_clear()
+    hosts = [SimulatedHost(f"sim-{i}", tmp_path) for i in range(8)]
+    uuids = [str(uuid.uuid4()) for _ in hosts]
+    start, errors = threading.Barrier(len(hosts)), []
+
+    def define(i: int) -> None:
+        start.wait()
+        try:
+            assert hosts[i].define_domain(_domain_xml(f"vm-{i}", uuids[i])) == uuids[i]
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=define, args=(i,)) for i in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and opened == ["test:///default"]
+    assert [[(d.name, d.uuid) for d in h.list_domains()] for h in hosts] == [[(f"vm-{i}", u)] for i, u in
+                                                                            enumerate(uuids)]
+    assert simulated._parser_connection().listAllDomains(0) == []  # the parser keeps no domain
+
+
 def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
     run_simulated_writers(tmp_path, 2, 20, 120)
     host = SimulatedHost("sim-1", tmp_path)

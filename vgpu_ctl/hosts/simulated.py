@@ -56,15 +56,30 @@ def _hold(step: str) -> None:
         time.sleep(0.02)
 
 
+# Every connection of a process to test:///default shares one driver and its domains: without one parse at a
+# time, a thread emptying the driver (its first use) or undefining its domain could remove another's domain.
+_PARSING = threading.Lock()
+
+
 @lru_cache(maxsize=1)
 def _parser_connection() -> Any:
-    """One empty in-process libvirt test driver per process, used only to parse domain XML."""
+    """One empty in-process libvirt test driver per process, used only to parse domain XML (under `_PARSING`)."""
     conn = open_libvirt("test:///default", "simulated")
     for dom in conn.listAllDomains(0):
         if dom.isActive():
             dom.destroy()
         dom.undefine()
     return conn
+
+
+def _parsed(xml: str) -> tuple[str, str]:
+    """The domain's name and UUID as libvirt's parser reads its XML (libvirtError when it refuses it)."""
+    with _PARSING:
+        dom = _parser_connection().defineXML(xml)
+        try:
+            return str(dom.name()), str(dom.UUIDString())
+        finally:
+            dom.undefine()
 
 
 class _Step:
@@ -236,11 +251,8 @@ class SimulatedHost:
     def define_domain(self, xml: str) -> str:
         """Check the XML with libvirt's parser, then record (or redefine) the domain; returns its UUID."""
         _hold("define_domain")
-        conn = _parser_connection()
         try:
-            dom = conn.defineXML(xml)
-            name, uuid = str(dom.name()), str(dom.UUIDString())
-            dom.undefine()
+            name, uuid = _parsed(xml)
         except libvirt.libvirtError as exc:
             raise host_error(self.name, "defining domain", exc) from None
         with self._state(write=True) as step:
