@@ -49,7 +49,7 @@ def principal_of(request: Request) -> Principal:
         raise Unauthenticated(f"Authorization scheme {scheme!r} is not Bearer",
                               reasons=[{"field": "Authorization", "value": scheme}])
     try:
-        with runtime(request).ctx.engine.connect() as conn:
+        with runtime(request).ctx.read() as conn:
             p = authenticate(conn, token.strip())
     except VgpuCtlError as exc:
         raise Unauthenticated(exc.message, exc.reasons) from None

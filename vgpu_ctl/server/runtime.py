@@ -193,7 +193,7 @@ class Runtime:
             idempotency.purge(conn)
 
     def _recover(self) -> None:
-        with self.ctx.engine.connect() as conn:
+        with self.ctx.read() as conn:
             left = ops.orphaned(conn)
         for op_id in left:
             with self._lock:
@@ -253,7 +253,7 @@ class Runtime:
 
     def leader(self) -> dict[str, object] | None:
         """The leader as the store knows it (holder, address, until), if its lease runs."""
-        with self.ctx.engine.connect() as conn:
+        with self.ctx.read() as conn:
             found = server_lease.current(conn)
         return None if found is None else {**found, "self": found["holder"] == self.holder}
 

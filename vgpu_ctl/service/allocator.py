@@ -431,7 +431,7 @@ class Allocator:
     def _tenant_id(self, ctl: Controller, tenant: str) -> int:
         t_id = self._tenants.get(tenant)
         if t_id is None:
-            with ctl.engine.connect() as conn:
+            with ctl.read() as conn:
                 t_id = ctl._tenant_id(conn, tenant)
             self._tenants[tenant] = t_id
         return ctl._visible_tenant(tenant, t_id)

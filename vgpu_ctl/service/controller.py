@@ -135,7 +135,7 @@ class Controller:
     def _principal(self, token: str | None, actor: str | None) -> Principal:
         if token is None:
             return Principal(actor or "admin")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return authenticate(conn, token, actor)
 
     def _admin(self, what: str) -> None:
@@ -234,7 +234,7 @@ class Controller:
         """Pools, hosts and GPUs as the store holds them (the admin and readers)."""
         self.principal.require_reader("inventory show")
         inv = STORE.inventory
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             by_name = inv.pools_by_name(conn)
             pools = {r["id"]: r["name"] for r in by_name}
             hosts = []
@@ -254,7 +254,7 @@ class Controller:
     def pools(self) -> list[dict[str, Any]]:
         """Each pool with its policy, GPU count, the profiles it offers and its demand (typical requests)."""
         from vgpu_ctl.core.geometry import geometry_for
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             out = []
             for p in STORE.inventory.pools_by_name(conn):
                 gpus = STORE.inventory.pool_gpu_kinds(conn, p["id"])
@@ -277,7 +277,7 @@ class Controller:
 
     def list_tenants(self) -> list[dict[str, Any]]:
         """Tenants (a tenant caller sees only itself)."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return [{"name": t.name, "vms": t.vms_used, "vgpus": t.vgpus_used,
                      "framebuffer_mib": t.framebuffer_mib_used, "has_token": t.token_hash is not None,
                      "generation": t.generation}
@@ -285,7 +285,7 @@ class Controller:
 
     def get_tenant(self, name: str) -> dict[str, Any]:
         """One tenant with its generation (its ETag), usage and limits (a tenant caller sees only itself)."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             t = self._tenant_row(conn, name)
             return {"name": t.name, "generation": t.generation, "has_token": t.token_hash is not None,
                     "created_at": t.created_at.isoformat(), "quota": usage_report(conn, t.id)}
@@ -331,7 +331,7 @@ class Controller:
     def list_api_tokens(self) -> list[dict[str, Any]]:
         """The API tokens (name, role, created), never the tokens themselves."""
         self._admin("token list")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return list_api_tokens(conn)
 
     def revoke_api_token(self, name: str) -> None:
@@ -381,7 +381,7 @@ class Controller:
 
     def tenant_usage(self, tenant: str) -> list[dict[str, Any]]:
         """Each limit of the tenant with its usage."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             t = self._tenant_row(conn, tenant)
             return usage_report(conn, t.id)
 
@@ -486,7 +486,7 @@ class Controller:
         req.validate()
         fits: list[dict[str, Any]] = []
         others: list[dict[str, Any]] = []
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             ask = claims.read_ask(self, conn, req)
             assert isinstance(ask, claims.Ask)  # no idempotency key was given
             for p in ask.pools:
@@ -516,7 +516,7 @@ class Controller:
         when that request asked for something else, or when the VM failed. A VM still being provisioned with
         nobody working on it is finished; one stopped (or being deleted) is left as it is."""
         from vgpu_ctl.service.provision import provision_vm
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             vm = self._vm_row(conn, vm_id)
             pool = STORE.vms.pool_name(conn, vm.pool_id) if vm.pool_id is not None else None
         spec = vm.spec if isinstance(vm.spec, dict) else {}
@@ -655,12 +655,12 @@ class Controller:
 
     def get_vm(self, ref: str) -> VmInfo:
         """One VM by id, name, or TENANT/NAME (a tenant caller sees only its own)."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return self._vm_info(conn, self._vm_row(conn, ref))
 
     def list_vms(self, tenant: str | None = None) -> list[VmInfo]:
         """VMs, of one tenant or all (a tenant caller sees only its own)."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             only = self._tenant_row(conn, tenant).id if tenant is not None else self.principal.tenant_id
             return [self._vm_info(conn, vm) for vm in STORE.vms.tenant_vms(conn, only)]
 
@@ -669,7 +669,7 @@ class Controller:
         nothing changed, when `if_generation` is given and the VM has changed since)."""
         from vgpu_ctl.service.provision import release_vm
         self._writer("vm delete")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             vm = self._vm_row(conn, ref)
         release_vm(self, vm.id, generation=if_generation)
         from vgpu_ctl.service.scheduling import capacity_freed
@@ -679,7 +679,7 @@ class Controller:
         """Shut down a running VM (its devices stay claimed); PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
         self._writer("vm stop")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             vm = self._vm_row(conn, ref)
         set_power(self, vm.id, on=False, force=force, generation=if_generation)
         return self.get_vm(vm.id)
@@ -688,7 +688,7 @@ class Controller:
         """Start a stopped VM; PreconditionFailed as for release_vm."""
         from vgpu_ctl.service.provision import set_power
         self._writer("vm start")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             vm = self._vm_row(conn, ref)
         set_power(self, vm.id, on=True, generation=if_generation)
         return self.get_vm(vm.id)
@@ -696,7 +696,7 @@ class Controller:
     def vm_xml(self, ref: str) -> str:
         """The domain XML of a VM, rendered from its template and validated."""
         from vgpu_ctl.service.provision import render_vm
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             vm = self._vm_row(conn, ref)
             return render_vm(self, conn, vm.id)
 
@@ -751,20 +751,20 @@ class Controller:
 
     def get_operation(self, op_id: str) -> ops.OperationInfo:
         """One operation (a tenant caller sees only its own)."""
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return ops.get(conn, self.principal, op_id)
 
     def list_operations(self, states: Collection[str] | None = None, limit: int = 100) -> list[ops.OperationInfo]:
         """Operations, newest first (a tenant caller sees only its own)."""
         check_int("limit", limit, 1, MAX_EVENTS)
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             return ops.list_operations(conn, self.principal, states, limit)
 
     def run_operation(self, op_id: str, holder: str, lease_seconds: float) -> bool:
         """Run the operation to its end as the principal who asked for it, if `holder` holds it or can take
         it over (nobody else holds it); whether it ran. Admin only: this is a worker's call."""
         self._admin("operation run")
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             row = ops.own(conn, op_id, holder)
             asker = ops.principal_of(conn, row) if row is not None else None
         if row is None:
@@ -797,7 +797,7 @@ class Controller:
         check_int("limit", limit, 1, MAX_EVENTS)
         if self.principal.tenant is not None:
             tenant = self.principal.tenant
-        with self.engine.connect() as conn:
+        with self.read() as conn:
             rows = STORE.events.event_rows(conn, tenant, since, limit)
         return [{"id": r.id, "time": r.time.isoformat(), "actor": r.actor, "tenant": r.tenant, "action": r.action,
                  "target": r.target, "params": r.params, "result": r.result, "error": r.error} for r in rows]

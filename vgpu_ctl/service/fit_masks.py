@@ -19,6 +19,7 @@ from vgpu_ctl.core.geometry import FIT_BITS, Geometry, fit_mask, geometry_for, p
 from vgpu_ctl.errors import InvalidInput
 from vgpu_ctl.service.allocation import occupancy_of
 from vgpu_ctl.service.ports import STORE, Tx
+from vgpu_ctl.store.engine import READS
 from vgpu_ctl.store.fit_masks import SummaryKey
 from vgpu_ctl.store.unit import StoreEngine
 
@@ -36,7 +37,7 @@ def ensure_fit_masks(engine: StoreEngine, catalog: Catalog, force: bool = False)
     """Recompute every GPU's fit mask if they were computed with another catalog (or `force`, which also
     recomputes the host summaries); how many masks changed."""
     if not force:
-        with engine.connect() as tx:
+        with engine.connect().execution_options(**{READS: True}) as tx:  # a read: on SQLite it holds no lock
             seen = STORE.fit_masks.meta_value(tx, CATALOG_KEY)
         if seen == masks_key(catalog):
             return 0

@@ -214,7 +214,7 @@ def record_all(conn: Tx, catalog: Catalog, found: Mapping[str, Discovery | str])
 
 def host_row(ctl: Controller, name: str) -> HostRow:
     """The store's row of host `name` (name, uri, driver, vgpu_backing); NotFound naming the known hosts."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         row = STORE.hosts.host_named(conn, name)
         if row is None:
             known = ", ".join(STORE.hosts.host_names(conn))

@@ -128,7 +128,7 @@ def principal_of(conn: Tx, row: Asker) -> Principal:
 def _queued_before(ctl: Controller, row: OperationRow, name: str) -> OperationInfo | None:
     """The queued request an earlier attempt of this create made, if any: a vm.create of the same tenant and
     VM name enqueued since this operation was submitted (a queued request's own request carries `deadline`)."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         for r in STORE.operations.creates_since(conn, row.tenant_id, row.created_at, row.id):
             if r.request.get("name") == name and "deadline" in r.request:
                 return _info(conn, r)

@@ -76,7 +76,7 @@ def device_spec(ctl: Controller, dev: Any, host: Any | None = None, ids: TypeIds
     `_provision` refuses to create there. `host` (its driver and vGPU backing) and `ids` are read from the
     store when not given."""
     if host is None or ids is None:
-        with ctl.engine.connect() as conn:
+        with ctl.read() as conn:
             host = host or STORE.hosts.host_of_gpu(conn, dev.gpu_id)
             ids = ids or STORE.host_types.type_ids(conn, (dev.gpu_id,))[dev.gpu_id]
     profile = ctl.catalog.profile(dev.model, dev.profile)
@@ -149,7 +149,7 @@ def _provision(ctl: Controller, vm_id: str, holder: str, start: bool = True) -> 
     """The steps of the state machine from where the VM is, each host call followed by the one transaction
     that records it (devices ready, defined, running or stopped). The VM, its host, devices and type ids are
     read once, and what each step changes is carried on, not read again."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         place = _place(conn, vm_id)
         ids = STORE.host_types.type_ids(conn, {d.gpu_id for d in place.devices})
     vm, host, devs = place.vm, place.host, place.devices
@@ -227,7 +227,7 @@ def remove_devices(ctl: Controller, driver: HostDriver, devs: Sequence[Any], on:
     where = f" on {on}" if on else ""
     ids: Mapping[int, TypeIds] = {}
     if devs:
-        with ctl.engine.connect() as conn:
+        with ctl.read() as conn:
             ids = STORE.host_types.type_ids(conn, {d.gpu_id for d in devs})
     for dev in devs:
         try:
@@ -266,7 +266,7 @@ def _free_once(ctl: Controller, conn: Tx, vm_id: str, holder: str, from_states: 
 def undo(ctl: Controller, vm_id: str, error: str, holder: str) -> None:
     """Roll a failed request back while `holder` holds its lease: host side first, then claim and quota; the
     VM is kept as failed. Nothing when the lease is no longer `holder`'s."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         vm, host, devs = _load(ctl, conn, vm_id)
     if vm.state not in (*PROVISIONING, VmState.RUNNING) or vm.lease_holder != holder:
         return
@@ -296,7 +296,7 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generatio
                    params={"name": gone.name})
             return
     with Renewal(ctl, vm_id, holder):
-        with ctl.engine.connect() as conn:
+        with ctl.read() as conn:
             vm, host, devs = _load(ctl, conn, vm_id)
         errors = _teardown(ctl, ctl.hosts.get(host), vm, devs, host)
         with ctl.tx() as conn:
@@ -318,7 +318,7 @@ def release_vm(ctl: Controller, vm_id: str, holder: str | None = None, generatio
 def set_power(ctl: Controller, vm_id: str, on: bool, force: bool = False, generation: int | None = None) -> None:
     """Start or stop a VM's domain and record the state (PreconditionFailed when `generation` is given and
     the VM is at another)."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         vm, host, _ = _load(ctl, conn, vm_id)
     check_generation(vm, generation, "VM", vm.name)
     want_from = (VmState.STOPPED,) if on else (VmState.RUNNING,)

@@ -40,7 +40,7 @@ def _admin(ctl: Controller, what: str) -> None:
 def store_vms(ctl: Controller) -> list[PlanVm]:
     """Every VM holding devices, with where its vGPUs are; movable when running or stopped and no operation
     holds its lease. Reads only."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         pools = {i: n for n, i in STORE.inventory.pool_ids(conn).items()}
         tenants = {t.id: t.name for t in STORE.tenants.tenant_rows(conn)}
         hosts = {h.id: h.name for h in STORE.hosts.host_rows(conn)}
@@ -136,7 +136,7 @@ def undo_move(ctl: Controller, vm_ref: str) -> dict[str, Any]:
     when it changed or moved since, or its old positions are taken. The move done, as `apply_moves` lists it."""
     _admin(ctl, "rebalance --undo")
     vm = ctl.get_vm(vm_ref)
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         ev = STORE.moves.last_move(conn, vm.id)
     if ev is None:
         raise InvalidInput(f"field vm: VM {vm.tenant}/{vm.name} was never moved by rebalance; nothing to undo",
@@ -150,7 +150,7 @@ def undo_move(ctl: Controller, vm_ref: str) -> dict[str, Any]:
 
     (now_host, now_devs), (back_host, back_devs) = side("to"), side("from")
     back = Move(vm.id, vm.name, vm.tenant, now_host, now_devs, back_host, back_devs, "")
-    with ctl.engine.connect() as conn:  # taken since: refused before the VM is stopped
+    with ctl.read() as conn:  # taken since: refused before the VM is stopped
         row = STORE.vms.vm_row(conn, vm.id)
         _check_to(ctl, conn, None if row is None else row.pool_id, back)
     move_vm(ctl, back, undoes=ev.id)
@@ -262,7 +262,7 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
                 STORE.moves.set_move_step(conn, vm.id, "claimed", to_host_id=new_host.id, new_devices=new_ids)
             _crash_point("claimed")
             new_driver = ctl.hosts.get(new_host)
-            with ctl.engine.connect() as conn:
+            with ctl.read() as conn:
                 new_devs = [d for d in STORE.moves.held_devices(conn, vm.id) if d.id in new_ids]
             for dev in new_devs:
                 spec = device_spec(ctl, dev)
@@ -273,7 +273,7 @@ def move_vm(ctl: Controller, m: Move, undoes: int | None = None) -> None:
                         "backing": handle.backing.value, "uuid": handle.uuid, "pci_address": handle.pci_address,
                         "gpu_instance_id": handle.gpu_instance_id}})
             _crash_point("created")
-            with ctl.engine.connect() as conn:
+            with ctl.read() as conn:
                 xml = render_vm(ctl, conn, vm.id, only=new_ids)
             tried = True  # another host may hold a domain from here on (undone by undefining it there)
             dom_uuid = new_driver.define_domain(xml)
@@ -350,7 +350,7 @@ def _undo_move(ctl: Controller, vm: VmRow, old_host: HostRow, new_host: HostRow 
         if (defined and same) or (tried and not same):
             try:
                 if same:  # the same domain: its old definition back
-                    with ctl.engine.connect() as conn:
+                    with ctl.read() as conn:
                         old_ids = [d.id for d in STORE.moves.held_devices(conn, vm.id) if d.id not in new_ids]
                         xml = render_vm(ctl, conn, vm.id, only=old_ids)
                     new_driver.define_domain(xml)
@@ -393,7 +393,7 @@ def settle_moves(ctl: Controller) -> dict[str, str]:
     """Settle every move whose process stopped (admin; `resume_move` each, one failing does not stop the others):
     the server's leader runs it on every tick, so a VM is left between two places for seconds, not until the next
     reconcile. Per VM settled, "finished", "rolled back", or why it could not be."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         stopped = [mv.vm_id for mv in pending_moves(conn) if not is_held(mv.lease_holder, mv.lease_expires)]
     out = {}
     for vm_id in stopped:

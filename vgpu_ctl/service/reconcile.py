@@ -33,7 +33,7 @@ def reconcile(ctl: Controller, fix: bool = False, progress: Any = None,
     yes; else a running one is undefined only if `confirm_undefine(finding)` says yes (never without it)."""
     report = ReconcileReport()
     moving = _moves(ctl, report, fix)
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         hosts = STORE.hosts.host_rows(conn)
         vms = STORE.vms.vm_statuses(conn)
         devices = STORE.vms.device_refs(conn)
@@ -119,7 +119,7 @@ def _moves(ctl: Controller, report: ReconcileReport, fix: bool) -> set[str]:
     VMs whose move is not settled, which the other checks leave alone."""
     from vgpu_ctl.service.rebalance import pending_moves, resume_move
 
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         pending = pending_moves(conn)
     moving = set()
     for mv in pending:

@@ -654,7 +654,7 @@ def preview(ctl: Controller, req: VmRequest) -> PreemptionPlan:
     makes room, as the request itself would do first; else `capacity`). NoCapacity when no allowed set of
     victims makes room; InvalidInput as the request itself would get."""
     reclaim = may_reclaim(ctl, req, None)
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         t_id = ctl._tenant_id(conn, req.tenant)
         cls = resolve(conn, t_id, req.tenant, req.priority)
         pools = _pools_for(ctl, conn, req)
@@ -681,7 +681,7 @@ def may_reclaim(ctl: Controller, req: VmRequest, preempt: bool | None) -> bool:
     without vGPUs (reclaiming frees GPU space)."""
     if preempt is False or not req.vgpus:
         return False
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         t_id = ctl._tenant_id(conn, req.tenant)
         delta = _delta(ctl, req)
         return any(within_guarantee(conn, t_id, delta, p.name) for p in _pools_for(ctl, conn, req))
@@ -691,7 +691,7 @@ def reclaim_then_claim(ctl: Controller, req: VmRequest, exc: NoCapacity) -> Any:
     """Reclaim borrowed VMs for a request within its tenant's guarantee (`preempt` with reason 'reclaim': the
     victims requeued or cancelled, with the grace period, audited, counted) and claim again; the claim's result.
     NoCapacity (the refusal and why reclaiming did not help) when it still does not fit."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
     try:
         preempt(ctl, req, cls, "reclaim")
@@ -761,7 +761,7 @@ def preempt(ctl: Controller, req: VmRequest, cls: PriorityClass, reason: str = "
     its mode: requeued (shut down with the grace period, released, its request queued again at its priority with
     a cool-down), hibernated (managed save, its devices kept, queued to resume) or cancelled (shut down and
     released); the plan carried out. NoCapacity when no allowed set makes room."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         pools = _pools_for(ctl, conn, req)
         found = plan_preemption(ctl, conn, req, cls, pools, reclaim=reason == "reclaim")
         if found is None or not found.pre.victims:
@@ -788,7 +788,7 @@ def _free_victim(ctl: Controller, v: Victim, cls: PriorityClass, reason: str, co
     """Free one victim by its mode, its request queued first (to run again, or to resume) so a crash loses no
     victim; audited `vm.preempted` in its tenant, `failed` (and not queued) when it could not be freed."""
     from vgpu_ctl.service.provision import domain_name, release_vm
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         vm = STORE.vms.vm_row(conn, v.vm_id)
         host = STORE.moves.host_row(conn, vm.host_id) if vm and vm.host_id is not None else None
         preemptions = STORE.vm_sched.preemptions(conn, v.vm_id)
@@ -915,7 +915,7 @@ def admit_queued(ctl: Controller) -> list[str]:
     from vgpu_ctl.service.operations import principal_of
     from vgpu_ctl.service.requests import VgpuRequest, VmRequest
     admitted: list[str] = []
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         order = queue_order(conn, ctl.catalog)
         askers = {r.id: principal_of(conn, r) for r, _, _ in order}
         wait_s = settings(conn)["grace_s"] + PREEMPTION_SLACK_S
@@ -968,7 +968,7 @@ def _victim_gone(ctl: Controller, row: OperationRow, q: Mapping[str, Any], wait_
     hibernated one hibernated. While its preemption may still run (releasing, or younger than `wait_s`) it
     waits; past that, a victim the preemption never freed (a crash, a failed save) or a hibernated VM deleted
     meanwhile drops its request."""
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         still = STORE.vms.vm_row(conn, row.vm_id or "")
     if q.get("resume") and still is not None and still.state == VmState.HIBERNATED:
         return True
@@ -1018,7 +1018,7 @@ def capacity_freed(ctl: Controller) -> list[str]:
 
 
 def _capacity_freed(ctl: Controller) -> list[str]:
-    with ctl.engine.connect() as conn:
+    with ctl.read() as conn:
         waiting = STORE.scheduling.queued_count(conn, QUEUE_HOLDER)
         closed = STORE.scheduling.interval_count(conn)
     if closed >= COMPACT_AT:
@@ -1083,7 +1083,7 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
         except Refused as again:
             exc = again
     if isinstance(exc, NoCapacity):
-        with ctl.engine.connect() as conn:
+        with ctl.read() as conn:
             cls = resolve(conn, ctl._tenant_id(conn, req.tenant), req.tenant, req.priority)
         if preempt and cls.preemption_policy is PreemptionPolicy.NEVER:
             exc = NoCapacity(f"{exc.message}; priority class {cls.name!r} has preemption policy 'never': its "
@@ -1100,7 +1100,7 @@ def after_refusal(ctl: Controller, req: VmRequest, exc: Refused, preempt: bool |
                 exc = again
     if queue:
         op_id = enqueue(ctl, req, exc, preempt, None if deadline_s is None else time.time() + deadline_s)
-        with ctl.engine.connect() as conn:
+        with ctl.read() as conn:
             return get_operation(conn, ctl.principal, op_id)
     raise exc
 
@@ -1144,7 +1144,7 @@ class Scheduling:
 
     def list_classes(self) -> list[dict[str, Any]]:
         """Every priority class, highest first, with its VMs (anyone may read them)."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return list_classes(conn)
 
     def delete_class(self, name: str) -> None:
@@ -1155,7 +1155,7 @@ class Scheduling:
 
     def tenant(self, tenant: str) -> dict[str, Any]:
         """A tenant's scheduling settings (a tenant caller sees only its own)."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return {"tenant": tenant, **tenant_settings(conn, self.ctl._tenant_id(conn, tenant))}
 
     def set_tenant(self, tenant: str, *, shares: int | None = None, account: str | None = _UNSET,
@@ -1183,7 +1183,7 @@ class Scheduling:
 
     def settings(self) -> dict[str, float]:
         """The scheduling settings (half-life, grace, cool-down, in seconds)."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return settings(conn)
 
     def set_settings(self, **values: float | None) -> dict[str, float]:
@@ -1194,12 +1194,12 @@ class Scheduling:
 
     def share(self, now: float | None = None) -> list[dict[str, Any]]:
         """The fair-share report (`sshare -l`); a tenant caller sees only its own row."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return share_report(conn, self.ctl.catalog, self.ctl.principal, now)
 
     def queue(self) -> list[dict[str, Any]]:
         """What waits, in admission order (a tenant caller sees only its own)."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return queue_report(conn, self.ctl.catalog, self.ctl.principal)
 
     def admit(self) -> list[str]:
@@ -1230,5 +1230,5 @@ class Scheduling:
 
     def preemption_counts(self) -> dict[tuple[str, str], int]:
         """Preemptions so far by (reason, mode)."""
-        with self.ctl.engine.connect() as conn:
+        with self.ctl.read() as conn:
             return preemption_counts(conn)
