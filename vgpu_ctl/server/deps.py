@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
 from vgpu_ctl.errors import InvalidInput, PermissionDenied, VgpuCtlError
 from vgpu_ctl.service.controller import Controller
@@ -17,6 +14,7 @@ from vgpu_ctl.service.operations import OperationInfo
 from vgpu_ctl.service.principals import Principal, authenticate
 
 from .runtime import Runtime
+from .waiting import until_done
 
 _WAIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m)?")
 MAX_WAIT_S = 300.0
@@ -117,17 +115,7 @@ def wait_seconds(value: str | None) -> float:
 
 
 async def wait_done(request: Request, info: OperationInfo, seconds: float) -> OperationInfo:
-    """The operation once it is done, or as it is after `seconds`. Read again after pauses that start short
-    (most operations end within milliseconds) and grow to 0.1 s; no thread is held while it waits, so any
-    number of callers may wait at once without keeping others from being answered."""
-    ctl = controller(request)
-    deadline = time.monotonic() + seconds
-    pause = 0.005
-    while not info.done:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        await asyncio.sleep(min(left, pause))
-        pause = min(pause * 1.5, 0.1)
-        info = await run_in_threadpool(ctl.get_operation, info.id)
-    return info
+    """The operation once it is done, or as it is after `seconds` (`waiting.until_done`: woken when this
+    process's worker ends it, the store polled for one another replica runs)."""
+    rt = runtime(request)
+    return await until_done(rt.ends, rt.runs_here, controller(request).get_operation, info, seconds)

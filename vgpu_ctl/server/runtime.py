@@ -25,6 +25,7 @@ from vgpu_ctl.service.leases import new_holder, set_lease_seconds
 from vgpu_ctl.service.principals import Principal
 
 from .config import ServerConfig
+from .waiting import OperationEnds
 
 log = logging.getLogger("vgpu_ctl.server")
 
@@ -75,6 +76,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified whenever an operation of this process ends
         self._mine: set[str] = set()  # operations queued or running here
+        self.ends = OperationEnds()  # who waits (`?wait=`) for an operation of this process to end
         self._accepting = True
         self._admitting = False  # a queue admission runs on a worker (one at a time)
         self._closed = False
@@ -106,6 +108,12 @@ class Runtime:
         with self._lock:
             return len(self._mine)
 
+    def runs_here(self, op_id: str) -> bool:
+        """Whether the operation is queued or running on this process's workers (its end then wakes its waiters
+        through `ends`)."""
+        with self._lock:
+            return op_id in self._mine
+
     def dispatch(self, op_id: str) -> None:
         """Run the operation on a worker thread (once per process). While draining, an operation accepted just
         before the drain began still runs (the drain waits for it); after close, nothing does."""
@@ -131,6 +139,7 @@ class Runtime:
             with self._lock:
                 self._mine.discard(op_id)
                 self._idle.notify_all()
+            self.ends.ended(op_id)  # after the discard: a waiter that then asks `runs_here` polls instead
 
     # -- the loops --------------------------------------------------------------------------------------------
 
