@@ -4,6 +4,7 @@ for it (up to the busy timeout, then "database is locked")."""
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -100,3 +101,14 @@ def test_controller_reads_while_another_connection_writes(queued: tuple[Controll
     expected = READS[name](ctl, op_id)
     with write_lock_held(path):
         assert READS[name](ctl, op_id) == expected
+
+
+def test_outside_the_store_a_bare_connection_is_opened_only_to_write() -> None:
+    """A bare `engine.connect()` begins with BEGIN IMMEDIATE on SQLite and holds the write lock while it reads:
+    outside vgpu_ctl/store/ it is opened only with the writer turn, to write; reads use `read()`."""
+    root = Path(__file__).resolve().parent.parent / "vgpu_ctl"
+    bare = [f"{p.relative_to(root)}:{n}: {line.strip()}"
+            for p in sorted(root.rglob("*.py")) if "store" not in p.relative_to(root).parts
+            for n, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"\bengine\.connect\(\)", line) and "write_turn()" not in line and "READS" not in line]
+    assert bare == []
