@@ -134,9 +134,10 @@ def test_unsafe_host_names_are_refused(tmp_path: Path, name: str) -> None:
 def test_threads_define_domains_at_once_from_the_parsers_first_use(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A server's workers define domains at once, the first while the process's parser is still being set up:
-    every definition lands. The process's connections to test:///default share one driver, so a second setup
-    emptying it, or another thread's undefine, used to take a domain from under a definition ("Domain not
-    found", one create in a few hundred in bench_allocator's HTTP phases)."""
+    every definition lands, with one parser for the process. The parser used to be test:///default, emptied on
+    first use and shared with the process's other connections to it, so a second setup could undefine a
+    domain from under a definition ("Domain not found", one create in a few hundred in bench_allocator's HTTP
+    phases)."""
     from vgpu_ctl.hosts import simulated
     real, opened = simulated.open_libvirt, []
 
@@ -145,7 +146,6 @@ def test_threads_define_domains_at_once_from_the_parsers_first_use(tmp_path: Pat
         time.sleep(0.05)  # every thread reaches the setup before the first has finished it
         return real(uri, who)
 
-    libvirt.open("test:///default").defineXML(_domain_xml("left-over", OTHER_UUID))  # for the setup to empty
     monkeypatch.setattr(simulated, "open_libvirt", slow_open)
     simulated._parser_connection.cache_clear()
     hosts = [SimulatedHost(f"sim-{i}", tmp_path) for i in range(8)]
@@ -164,10 +164,27 @@ def test_threads_define_domains_at_once_from_the_parsers_first_use(tmp_path: Pat
         t.start()
     for t in threads:
         t.join(30)
-    assert errors == [] and opened == ["test:///default"]
+    assert errors == [] and len(opened) == 1
     assert [[(d.name, d.uuid) for d in h.list_domains()] for h in hosts] == [[(f"vm-{i}", u)] for i, u in
                                                                             enumerate(uuids)]
     assert simulated._parser_connection().listAllDomains(0) == []  # the parser keeps no domain
+
+
+def test_the_parser_leaves_test_default_alone(tmp_path: Path) -> None:
+    """A test-driver host (test:///default) in the same process as simulated hosts keeps its domains, even one
+    of the name a simulated host defines, and never sees the parser's."""
+    from vgpu_ctl.hosts import simulated
+    default = libvirt.open("test:///default")
+    try:
+        default.defineXML(_domain_xml("vm-same", OTHER_UUID))
+        before = sorted(d.name() for d in default.listAllDomains(0))
+        simulated._parser_connection.cache_clear()  # its first use, which once emptied test:///default
+        assert SimulatedHost("sim-1", tmp_path).define_domain(_domain_xml("vm-same")) == VM_UUID
+        assert sorted(d.name() for d in default.listAllDomains(0)) == before
+        assert default.lookupByName("vm-same").UUIDString() == OTHER_UUID
+    finally:
+        default.lookupByName("vm-same").undefine()
+        default.close()
 
 
 def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:

@@ -56,20 +56,23 @@ def _hold(step: str) -> None:
         time.sleep(0.02)
 
 
-# Every connection of a process to test:///default shares one driver and its domains: without one parse at a
-# time, a thread emptying the driver (its first use) or undefining its domain could remove another's domain.
+# The parser is one connection shared by the process's threads: one parse at a time, so that no thread's
+# undefine removes a domain of the same name another thread is parsing.
 _PARSING = threading.Lock()
 
 
 @lru_cache(maxsize=1)
 def _parser_connection() -> Any:
-    """One empty in-process libvirt test driver per process, used only to parse domain XML (under `_PARSING`)."""
-    conn = open_libvirt("test:///default", "simulated")
-    for dom in conn.listAllDomains(0):
-        if dom.isActive():
-            dom.destroy()
-        dom.undefine()
-    return conn
+    """A private, empty libvirt test driver for this process, used only to parse domain XML (under `_PARSING`).
+    Not test:///default: every connection of a process to that one shares a driver and its domains, so a
+    parse there would see, and could undefine, the domains of a test-driver host in the same process."""
+    fd, node = tempfile.mkstemp(prefix="vgpu-ctl-parser-", suffix=".xml")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("<node>\n</node>\n")
+        return open_libvirt(f"test://{node}", "simulated")  # the driver reads the file once, as it opens
+    finally:
+        os.unlink(node)
 
 
 def _parsed(xml: str) -> tuple[str, str]:
