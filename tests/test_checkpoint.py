@@ -76,6 +76,53 @@ def test_a_log_past_its_limit_is_restarted(tmp_path: Path) -> None:
         engine.dispose()
 
 
+def test_a_restart_does_not_hold_writers_behind_a_long_read(tmp_path: Path) -> None:
+    """A read on an old snapshot (a `status` of a large fleet) keeps the log from being restarted. The RESTART
+    that finds it gives up within RESTART_WAIT_MS instead of holding the write lock until the read ends: a
+    writer that starts meanwhile commits at once, and the log is restarted once the read is gone."""
+    import sqlite3
+    import threading
+
+    db = tmp_path / "read.db"
+    engine = make_engine(f"sqlite:///{db}")
+    checkpointer = WalCheckpointer(engine, interval_s=60, restart_frames=4)
+    reader = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE t (x)")
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM t").fetchone()  # the read's snapshot: before the rows below
+        with engine.begin() as conn:
+            for i in range(200):
+                conn.exec_driver_sql(f"INSERT INTO t VALUES ('{'x' * 500}{i}')")
+        committed: list[float] = []
+
+        def write() -> None:
+            time.sleep(0.01)  # while the checkpoint runs
+            start = time.monotonic()
+            with engine.begin() as conn:
+                conn.exec_driver_sql("INSERT INTO t VALUES ('late')")
+            committed.append(time.monotonic() - start)
+
+        writer = threading.Thread(target=write)
+        threading.Timer(2.0, lambda: reader.execute("COMMIT")).start()  # the long read ends after 2 s
+        start = time.monotonic()
+        writer.start()
+        busy, log, done = checkpointer.checkpoint()  # past 4 frames: PASSIVE, then a RESTART the read blocks
+        took = time.monotonic() - start
+        writer.join(10)
+        assert busy == 1 and done < log  # the frames after the read's snapshot stay in the log
+        assert took < 1.0, took  # the RESTART waited RESTART_WAIT_MS, not for the read (2 s)
+        assert committed and committed[0] < 1.0, committed  # the writer was not held behind the read
+        time.sleep(2.2)
+        busy, log, done = checkpointer.checkpoint()  # the read is gone: restarted
+        assert busy == 0 and log == done
+    finally:
+        reader.close()
+        checkpointer.stop()
+        engine.dispose()
+
+
 def test_a_controller_dropped_without_close_stops_its_thread(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import gc

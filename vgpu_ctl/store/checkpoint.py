@@ -4,8 +4,11 @@ SQLite's automatic checkpoint runs inside the commit that crosses its threshold 
 fsync of the database: on the benchmark machine about 13 ms, paid by every fiftieth claim. A controller instead
 turns automatic checkpoints off on its connections and checkpoints here: PASSIVE checkpoints never block a
 writer, and a commit then only appends to the log. A log that outgrows `restart_frames` (writes arriving faster
-than a checkpoint completes) is restarted, which briefly waits for writers. When the controller closes, a last
-checkpoint runs; when the last connection to a store closes, SQLite also checkpoints it itself.
+than a checkpoint completes, or a long read keeping an old snapshot) is restarted. A RESTART holds the write lock
+while it waits for readers to leave old snapshots, so it waits at most `RESTART_WAIT_MS` and otherwise gives up
+until the next round: a `status` or `doctor` reading for seconds would have stopped every claim for as long.
+When the controller closes, a last checkpoint runs; when the last connection to a store closes, SQLite also
+checkpoints it itself.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+
+RESTART_WAIT_MS = 20  # the longest a RESTART keeps writers waiting for readers or a writer (then: next round)
 
 
 class WalCheckpointer:
@@ -62,6 +67,7 @@ class WalCheckpointer:
         try:
             busy, log, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             if log > self.restart_frames:
+                conn.execute(f"PRAGMA busy_timeout={RESTART_WAIT_MS}")
                 busy, log, done = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
         except sqlite3.OperationalError:  # the store is being replaced (restore): try again later
             return (1, 0, 0)
