@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_server_runtime import _held_create, _runtime
+from test_server_runtime import held_runtime
 
 from vgpu_ctl.server.waiting import RECHECK_S, OperationEnds, until_done
 from vgpu_ctl.service.requests import OperationInfo
@@ -84,11 +84,7 @@ def test_a_wait_that_starts_done_or_without_time_reads_nothing() -> None:
 
 def test_the_runtime_wakes_a_wait_when_its_worker_ends_the_operation(tmp_path: Path, state_dir: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"define_domain={gate}")
-    rt = _runtime(tmp_path)
-    try:
-        ctl, info = _held_create(rt, gate, "w")
+    with held_runtime(tmp_path, monkeypatch, "define_domain", "w") as (rt, ctl, info, gate):
         assert rt.runs_here(info.id)
         reads: list[Any] = []
 
@@ -97,7 +93,7 @@ def test_the_runtime_wakes_a_wait_when_its_worker_ends_the_operation(tmp_path: P
             reads.append(found.state)
             return found
 
-        threading.Timer(0.3, gate.unlink).start()
+        threading.Timer(0.3, lambda: gate.unlink(missing_ok=True)).start()
         start = time.monotonic()
         done = asyncio.run(until_done(rt.ends, rt.runs_here, read, info, 30))
         took = time.monotonic() - start
@@ -105,7 +101,3 @@ def test_the_runtime_wakes_a_wait_when_its_worker_ends_the_operation(tmp_path: P
         assert ctl.get_vm("acme/w").state == "running"
         assert took < RECHECK_S and reads == ["succeeded"], (took, reads)
         assert not rt.runs_here(info.id) and rt.ends.waiting() == 0
-    finally:
-        if gate.exists():
-            gate.unlink()
-        rt.close()

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -197,13 +199,26 @@ def _held_create(rt: Any, gate: Path, name: str) -> tuple[Any, Any]:
     return ctl, info
 
 
-def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path, state_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@contextmanager
+def held_runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str,
+                 name: str) -> Iterator[tuple[Any, Any, Any, Path]]:
+    """A Runtime with a create held by the simulated host before `step` until the gate file is removed: the
+    runtime, its Controller, the operation and the gate. After the block the gate is removed and the runtime
+    closed."""
     gate = tmp_path / "gate"
-    monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"define_domain={gate}")
+    monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"{step}={gate}")
     rt = _runtime(tmp_path)
     try:
-        ctl, info = _held_create(rt, gate, "d")
+        ctl, info = _held_create(rt, gate, name)
+        yield rt, ctl, info, gate
+    finally:
+        gate.unlink(missing_ok=True)
+        rt.close()
+
+
+def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path, state_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    with held_runtime(tmp_path, monkeypatch, "define_domain", "d") as (rt, ctl, info, gate):
         assert rt.in_flight == 1
         result: list[bool] = []
         t = threading.Thread(target=lambda: result.append(rt.drain(30)))
@@ -215,31 +230,21 @@ def test_drain_waits_for_running_operations_and_refuses_new_work(tmp_path: Path,
         assert result == [True] and rt.in_flight == 0
         assert ctl.get_operation(info.id).state == "succeeded"
         assert ctl.get_vm("acme/d").state == "running"
-    finally:
-        if gate.exists():
-            gate.unlink()
-        rt.close()
     assert rt.drained is True
 
 
 def test_a_drain_that_times_out_bounds_the_next_one(tmp_path: Path, state_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = tmp_path / "gate"
-    monkeypatch.setenv("VGPU_CTL_SIM_HOLD", f"start_domain={gate}")
-    rt = _runtime(tmp_path)
-    try:
-        ctl, info = _held_create(rt, gate, "t")
+    with held_runtime(tmp_path, monkeypatch, "start_domain", "t") as (rt, ctl, info, gate):
         start = time.monotonic()
         assert rt.drain(0.3) is False  # still running: the drain times out, saying so
         assert rt.drain(30) is False  # close() after SIGTERM's drain: no second wait
         assert time.monotonic() - start < 2.0
         assert rt.in_flight == 1 and ctl.get_operation(info.id).state == "running"
-    finally:
         gate.unlink()
-    deadline = time.monotonic() + 30
-    while rt.in_flight:  # the worker ends by itself once the step goes on
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert ctl.get_operation(info.id).state == "succeeded"
-    rt.close()
+        deadline = time.monotonic() + 30
+        while rt.in_flight:  # the worker ends by itself once the step goes on
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ctl.get_operation(info.id).state == "succeeded"
     assert rt.drained is True  # by then nothing ran any more
