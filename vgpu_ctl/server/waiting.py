@@ -49,7 +49,7 @@ class OperationEnds:
             call()
 
     def waiting(self) -> int:
-        """How many waits are registered now (for tests and metrics)."""
+        """How many waits are registered now."""
         with self._lock:
             return sum(len(c) for c in self._woken.values())
 
@@ -64,7 +64,8 @@ async def until_done(ends: OperationEnds, runs_here: Callable[[str], bool], read
     woken = asyncio.Event()
 
     def wake() -> None:  # on the worker's thread
-        loop.call_soon_threadsafe(woken.set)
+        with contextlib.suppress(RuntimeError):  # the loop closed as the wait ended: no one to wake
+            loop.call_soon_threadsafe(woken.set)
 
     deadline = time.monotonic() + seconds
     pause = FIRST_PAUSE_S
