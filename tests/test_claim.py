@@ -380,6 +380,41 @@ def test_two_controllers_alternate_on_one_store(two_controllers: tuple[Controlle
 
 
 
+def test_a_claim_that_keeps_losing_races_to_another_replica_claims_in_its_turn(
+        two_controllers: tuple[Controller, Controller], monkeypatch: pytest.MonkeyPatch) -> None:
+    """As below, with the rival on another Controller of the store (its own pool, its own process-wide locks:
+    another replica). On PostgreSQL the turn of one process's threads does not hold another's, so the claim
+    also holds the store's claim turn (an advisory lock, every claim's write taking it beside the others): it
+    lands on try CONTENDED_AFTER + 1. Before, it lost every race, 30 of them, and gave up."""
+    ctl, replica = two_controllers
+    ctl.create_tenant("rival")
+    original = claim.plan
+    me = threading.get_ident()
+    rivals: list[threading.Thread] = []
+    taken: list[VmInfo] = []
+
+    def plan_then_rival(*args: Any, **kw: Any) -> Any:
+        chosen = original(*args, **kw)
+        if chosen is not None and threading.get_ident() == me:
+            name = f"r{len(rivals)}"
+            t = threading.Thread(target=lambda: taken.append(req(replica, name, "A100D-10C", tenant="rival",
+                                                                 pool="inference")))
+            rivals.append(t)
+            t.start()
+            t.join(timeout=2)  # done at once, unless it waits for this claim's turn
+        return chosen
+
+    monkeypatch.setattr(claim, "plan", plan_then_rival)
+    vm = req(ctl, "a", "A100D-10C", pool="inference")
+    for t in rivals:
+        t.join()
+    assert len(rivals) == claim.CONTENDED_AFTER + 1 and len(taken) == len(rivals)
+    starts = [v.devices[0].start for v in [vm, *taken]]
+    assert sorted(starts) == list(range(0, 10 * len(starts), 10))
+    assert usage(ctl)[("*", "vms")] == (1, None) and usage(ctl, "rival")[("*", "vms")] == (len(taken), None)
+    check_store_invariants(ctl.engine)
+
+
 @pytest.mark.parametrize("policy", ["pack", "spread-load"])  # spread-load reads GPU loads on a side connection
 def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, monkeypatch: pytest.MonkeyPatch,
                                                             policy: str) -> None:

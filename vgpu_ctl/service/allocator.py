@@ -496,6 +496,7 @@ class Allocator:
         try:
             if not self._write_batch(batch):
                 with self.ctx.db.write() as tx:
+                    STORE.claims.share_claim_turn(tx)  # as every claim's write (and the batch's)
                     for item in batch:
                         self._write_one(tx, item)
         except BaseException as exc:  # the transaction failed as a whole: nothing of the batch is durable

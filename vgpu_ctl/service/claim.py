@@ -239,7 +239,8 @@ def _attempt(ctl: Controller, req: VmRequest, dry_run: bool, contended: bool) ->
     # them all there). The turn is taken after the connection, as every claim's write takes it, and the try
     # reads nothing on another: asking the pool for a connection while holding the turn deadlocks with claims
     # that hold the pool's connections and wait for the turn.
-    with ctl.read() as conn, ctl.ctx.claim_turn() if contended else nullcontext():
+    with ctl.read() as conn, ctl.ctx.claim_turn() if contended else nullcontext(), \
+            STORE.claims.claim_turn_alone(conn) if contended else nullcontext():  # the other replicas too
         ask = read_ask(ctl, conn, req, offers_too=False)
         if isinstance(ask, AlreadyMade):
             return ask
@@ -299,6 +300,7 @@ def _write_step_by_step(ctl: Controller, conn: Tx, ask: Ask, req: VmRequest, poo
     """Charge, then take, then record, each step's answer read before the next (a refusal explained at the step
     that decides it, a dry run rolled back): the result, or None with the pool's reasons added to `reasons`."""
     with STORE.claims.write_on(conn) as commit:
+        STORE.claims.share_claim_turn(conn)
         failed = charge(conn, ask.tenant_id, req.tenant, ask.delta, charges)
         if failed:  # this pool's own limits are reached: the next pool may take it
             reasons.extend(alloc.quota_refusal(conn, ask.tenant_id, req.tenant, {}, failed, charges).reasons)

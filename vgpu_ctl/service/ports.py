@@ -215,6 +215,12 @@ class ClaimStore(Protocol):
     def end_read_on(self, tx: Tx) -> None:
         """End the read's transaction on `tx`."""
 
+    def claim_turn_alone(self, tx: Tx) -> AbstractContextManager[None]:
+        """The claim turn across the store's processes for one claim alone while the block runs (PostgreSQL)."""
+
+    def share_claim_turn(self, tx: Tx) -> None:
+        """Take the claim turn beside the other claims' writes until `tx`'s transaction ends (PostgreSQL)."""
+
     def read_to_write(self, tx: Tx) -> None:
         """Ready `tx`, where a claim's read ran, for its write (on PostgreSQL the read's transaction goes on)."""
 

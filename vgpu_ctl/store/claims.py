@@ -9,16 +9,19 @@ of all its VMs, and lets the claim tell the store's errors apart without knowing
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
 
-from sqlalchemy import BigInteger, Integer, String, bindparam, cast, select, update
+from sqlalchemy import BigInteger, Integer, String, bindparam, cast, func, select, update
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from vgpu_ctl.store.candidates import insert_devices, write_gpu_sent
 from vgpu_ctl.store.charges import charge_tenant_sent, claim_host_sent, group_on_host_sent
 from vgpu_ctl.store.events import NewEvent, add_events
+from vgpu_ctl.store.leader import lock_key
 from vgpu_ctl.store.prepared import Prepared, end_read, fill_defaults, insert_all, sent_together
 from vgpu_ctl.store.scheduling import any_class_sent
 from vgpu_ctl.store.tables import GPU, POOL, TENANT, VM
@@ -130,6 +133,49 @@ class ClaimWrite(NamedTuple):
     events: Sequence[NewEvent]
 
 
+_TURN_KEYS: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+_ALONE = Prepared(select(func.pg_advisory_lock(bindparam("k", type_=BigInteger))))
+_ALONE_NO_MORE = Prepared(select(func.pg_advisory_unlock(bindparam("k", type_=BigInteger))))
+_BESIDE = Prepared(select(func.pg_advisory_xact_lock_shared(bindparam("k", type_=BigInteger))))
+
+
+def _turn_key(tx: Tx) -> int:
+    """The advisory lock key of the claim turn of the store `tx` is on (its schema's; asked once per engine)."""
+    key = _TURN_KEYS.get(tx.engine)
+    if key is None:
+        schema = str(tx.exec_driver_sql("SELECT current_schema()").scalar())
+        key = _TURN_KEYS[tx.engine] = lock_key(f"claim turn:{schema}")
+    return key
+
+
+@contextmanager
+def claim_turn_alone(tx: Tx) -> Iterator[None]:
+    """On PostgreSQL, the store's claim turn for this claim alone, across every replica, while the block runs
+    (over the read's and the write's transactions on `tx`): a session advisory lock, which every claim's write
+    takes beside the others (`share_claim_turn`), let go at the end, or with the connection when it cannot be.
+    Nothing elsewhere: on SQLite the writer queue is the turn."""
+    if tx.dialect.name != "postgresql":
+        yield
+        return
+    key = _turn_key(tx)
+    _ALONE.run(tx, {"k": key})
+    try:
+        yield
+    finally:
+        try:
+            _ALONE_NO_MORE.run(tx, {"k": key})
+        except Exception:  # e.g. the transaction failed: a connection that keeps the lock must not be reused
+            tx.invalidate()
+
+
+def share_claim_turn(tx: Tx) -> None:
+    """On PostgreSQL, take the claim turn beside the other claims' writes until `tx`'s transaction ends, so that
+    none lands while a claim holds it alone (`claim_turn_alone`); sent with what follows inside `sent_together`
+    (the key asked before it, by `_turn_key`). Nothing elsewhere."""
+    if tx.dialect.name == "postgresql":
+        _BESIDE.run(tx, {"k": _turn_key(tx)})
+
+
 ClaimOutcome = Literal["written", "written_scoped", "quota", "host", "group", "gpu"]
 """What `write_claim` did: all of it ("written_scoped": the tenant has pool-scoped limits, still to be charged
 in the same transaction), or which check failed first, in the order a claim makes them (the caller then rolls
@@ -144,7 +190,10 @@ def write_claim(tx: Tx, w: ClaimWrite) -> ClaimOutcome:
     comes first)."""
     checks: list[Callable[[], Any]] = []
     try:
+        if tx.dialect.name == "postgresql":
+            _turn_key(tx)  # asked before the pipeline: inside, it would fail
         with sent_together(tx):
+            share_claim_turn(tx)
             checks.append(charge_tenant_sent(tx, w.tenant_id, w.delta))
             checks.append(claim_host_sent(tx, w.host_id, w.vcpus, w.memory_mib))
             if w.group is not None:
@@ -210,7 +259,10 @@ def write_batch(tx: Tx, w: BatchWrite) -> list[int] | None:
     pool-scoped limits still to charge. A unique name, key or device position taken is raised as the store's
     IntegrityError."""
     tenants = sorted(w.tenants, key=lambda t: t[0])
+    if tx.dialect.name == "postgresql":
+        _turn_key(tx)  # asked before the pipeline: inside, it would fail
     with sent_together(tx):
+        share_claim_turn(tx)
         charged = [charge_tenant_sent(tx, t_id, delta) for t_id, delta in tenants]
         took = [claim_host_sent(tx, *h) for h in sorted(w.hosts)]
         moved = [_WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
