@@ -211,6 +211,51 @@ def held_storm(ctl: Controller, allocator: Allocator, n: int, profile: str, **kw
     return out
 
 
+def test_a_claim_planned_on_one_that_loses_is_not_written_on_its_versions(acme: Controller, store_url: str) -> None:
+    """Claim b is planned on a, still unsettled in memory, so b expects a's versions plus one. Another writer (a
+    release on another controller) moves the GPU on by one meanwhile, so a loses; b's expected version is then
+    the store's, for a state b never saw. b must be lost and planned again, not written: before, it landed, and
+    the GPU's layout showed the released VM and a with no device (seen with two replicas on PostgreSQL)."""
+    other = Controller(store_url, init=False)
+    try:
+        x = req(other, "x", "A100D-10C", pool="inference")  # start 0 of the pool's one GPU
+        allocator = served(acme)
+        gate, holding = threading.Event(), []
+        commit = allocator._commit
+
+        def held(batch: Any) -> None:
+            holding.append([i.req.name for i in batch])
+            if len(holding) == 1:
+                gate.wait(30)
+            commit(batch)
+
+        allocator._commit = held  # type: ignore[method-assign]
+        got: dict[str, Any] = {}
+        callers = [threading.Thread(target=lambda n=n: got.update({n: req(acme, n, "A100D-10C", pool="inference")}))
+                   for n in ("a", "b")]
+        callers[0].start()
+        for _ in range(3000):
+            if holding:
+                break
+            threading.Event().wait(0.01)
+        callers[1].start()
+        for _ in range(3000):
+            if allocator._queue.qsize():  # b planned on a, queued behind a's held batch
+                break
+            threading.Event().wait(0.01)
+        other.release_vm(x.id)  # the GPU moves on by one: a's expected version is gone, b's is the store's
+        gate.set()
+        for t in callers:
+            t.join(30)
+        allocator._commit = commit  # type: ignore[method-assign]
+        assert set(got) == {"a", "b"} and all(isinstance(v, VmInfo) for v in got.values())
+        assert sorted(v.devices[0].start for v in got.values()) == [0, 10]
+        assert usage(acme)[("*", "vms")] == 2
+        check_store_invariants(acme.engine)  # the GPU's layout is its devices'
+    finally:
+        other.close()
+
+
 def test_a_batch_is_written_as_one_and_a_loser_in_it_fails_alone(acme: Controller) -> None:
     allocator = served(acme)
     got = held_storm(acme, allocator, 6, "1g.10gb")

@@ -14,7 +14,9 @@ memory, plans against it, and claims written to the store by group commit.
 The store stays the arbiter: the conditional updates are the store path's (a sum passes a limit or a host's
 capacity exactly when each of its claims in turn would), so another replica (or process, or a release on this
 one) that changed a host or GPU since memory was read makes that claim lose its savepoint; the allocator then
-reloads those hosts from the store and the caller plans again. What
+reloads those hosts from the store and the caller plans again. A claim planned on another that has not settled
+expects that one's versions plus one; if that one fails, another writer may have reached those numbers, so the
+claim is lost without a write (`_Claim.on_a_loser`) instead of landing on a state it never saw. What
 memory cannot decide goes the store path (`claim.claim`), which is exact: anti-affinity, dry runs,
 spread-load pools, a request nothing in memory fits (the refusal is then the store's, and memory is reloaded),
 a claim refused in the write (a limit, a name taken, an idempotency key used). Memory is also reloaded every
@@ -94,6 +96,7 @@ class _Pool:
     plans: dict[int, dict[tuple[Any, ...], tuple[Score, PlacementPlan] | None]] = field(default_factory=dict)
     host_index: dict[tuple[int, int], list[tuple[tuple[float, ...], int]]] = field(default_factory=dict)
     host_keys: dict[int, dict[tuple[int, int], tuple[tuple[float, ...], int]]] = field(default_factory=dict)
+    pending: dict[int, _Claim] = field(default_factory=dict)  # GPU id -> the unsettled claim memory shows there
 
     def unindex(self, gid: int) -> None:
         """Take a GPU out of the index."""
@@ -299,6 +302,14 @@ class _Claim:
     vm: VmInfo | None = None
     lost: bool = False  # a conditional update found the store changed: plan again
     error: BaseException | None = None  # refused in the write (or failed): the store path answers
+    # The unsettled claims whose outcome in memory this one was planned on: its expected GPU versions are theirs
+    # plus one, a number another writer's compare-and-set can also reach if one of them fails.
+    after: tuple[_Claim, ...] = ()
+    settled: bool = False  # its write was tried (`vm` says whether it stands)
+
+    def on_a_loser(self) -> bool:
+        """Whether a claim this one was planned on failed: its expected versions no longer mean its states."""
+        return any(p.settled and p.vm is None for p in self.after)
 
 
 def _gpus_after(batch: Sequence[_Claim]) -> list[GpuAfter] | None:
@@ -377,6 +388,8 @@ class Allocator:
     def _fill(pool: _Pool, found: alloc.Candidates) -> None:
         for view in found.hosts:
             pool.put_host(dataclasses.replace(view, gpu_count=len(view.gpus)))
+            for g in view.gpus:  # memory shows the store's state there now, no unsettled claim's
+                pool.pending.pop(g.gpu_id, None)
         pool.page.versions.update(found.versions)
         pool.page.pcis.update(found.pcis)
         pool.page.backings.update(found.backings)
@@ -464,7 +477,10 @@ class Allocator:
                 if chosen is not None:
                     page = self._apply(pool, req, chosen)
                     charges = claims.scoped_charges(pool.row.name, delta, preq.profiles)
-                    return _Claim(ctl, req, pool, t_id, chosen, page, delta, charges)
+                    after = tuple({id(c): c for g in chosen.occupancies if (c := pool.pending.get(g))}.values())
+                    item = _Claim(ctl, req, pool, t_id, chosen, page, delta, charges, after=after)
+                    pool.pending.update((g, item) for g in chosen.occupancies)
+                    return item
                 if n + 1 >= MAX_PAGES:
                     break
         return None
@@ -494,7 +510,7 @@ class Allocator:
         """Write a batch in one transaction (claim by claim if it must); answer each caller once it is durable."""
         t0 = time.perf_counter()
         try:
-            if not self._write_batch(batch):
+            if any(item.on_a_loser() for item in batch) or not self._write_batch(batch):
                 with self.ctx.db.write() as tx:
                     STORE.claims.share_claim_turn(tx)  # as every claim's write (and the batch's)
                     for item in batch:
@@ -503,6 +519,12 @@ class Allocator:
             for item in batch:
                 item.vm, item.lost, item.error = None, False, exc
         wrote = time.perf_counter() - t0
+        with self._lock:
+            for item in batch:
+                item.settled, item.after = True, ()  # its own outcome now tells the claims planned on it
+                for gid in item.chosen.occupancies:
+                    if item.pool.pending.get(gid) is item:
+                        del item.pool.pending[gid]
         stale: dict[int, tuple[_Pool, set[int]]] = {}  # memory holds plans the store did not take: read again
         for item in batch:
             if item.vm is None:
@@ -531,7 +553,7 @@ class Allocator:
                 self.stats["split"] += 1
             return False
         for item, vm in zip(batch, vms, strict=True):
-            item.vm = vm
+            item.vm, item.settled = vm, True
         return True
 
     @staticmethod
@@ -574,7 +596,12 @@ class Allocator:
 
     @staticmethod
     def _write_one(tx: Tx, item: _Claim) -> None:
-        """One claim in a savepoint of the batch's transaction (its outcome on `item`)."""
+        """One claim in a savepoint of the batch's transaction (its outcome on `item`). A claim planned on one
+        that failed is lost without a write: the store may have reached its expected versions another way."""
+        if item.on_a_loser():
+            item.vm, item.lost, item.settled = None, True, True
+            item.error = alloc.ClaimConflict("planned on a claim that did not stand")
+            return
         try:
             with STORE.claims.savepoint(tx) as undo:
                 if claims.charge(tx, item.tenant_id, item.req.tenant, item.delta, item.charges):
@@ -586,6 +613,7 @@ class Allocator:
             item.vm, item.lost, item.error = None, True, exc
         except Exception as exc:  # refused in the write (a limit, a name, a key) or failed: the store path answers
             item.vm, item.error = None, exc
+        item.settled = True
 
     def _safely(self, fn: Callable[[], None]) -> None:
         try:
