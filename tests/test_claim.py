@@ -380,14 +380,10 @@ def test_two_controllers_alternate_on_one_store(two_controllers: tuple[Controlle
 
 
 
-def test_a_claim_that_keeps_losing_races_to_another_replica_claims_in_its_turn(
-        two_controllers: tuple[Controller, Controller], monkeypatch: pytest.MonkeyPatch) -> None:
-    """As below, with the rival on another Controller of the store (its own pool, its own process-wide locks:
-    another replica). On PostgreSQL the turn of one process's threads does not hold another's, so the claim
-    also holds the store's claim turn (an advisory lock, every claim's write taking it beside the others): it
-    lands on try CONTENDED_AFTER + 1. Before, it lost every race, 30 of them, and gave up."""
-    ctl, replica = two_controllers
-    ctl.create_tenant("rival")
+def rival_after_each_plan(monkeypatch: pytest.MonkeyPatch,
+                          rival_ctl: Controller) -> tuple[list[threading.Thread], list[VmInfo]]:
+    """After each plan this thread's claim makes, a rival (tenant `rival`, through `rival_ctl`) claims the same
+    slot on a thread of its own, waited for 2 s; the rivals' threads and the VMs they took."""
     original = claim.plan
     me = threading.get_ident()
     rivals: list[threading.Thread] = []
@@ -397,7 +393,7 @@ def test_a_claim_that_keeps_losing_races_to_another_replica_claims_in_its_turn(
         chosen = original(*args, **kw)
         if chosen is not None and threading.get_ident() == me:
             name = f"r{len(rivals)}"
-            t = threading.Thread(target=lambda: taken.append(req(replica, name, "A100D-10C", tenant="rival",
+            t = threading.Thread(target=lambda: taken.append(req(rival_ctl, name, "A100D-10C", tenant="rival",
                                                                  pool="inference")))
             rivals.append(t)
             t.start()
@@ -405,6 +401,18 @@ def test_a_claim_that_keeps_losing_races_to_another_replica_claims_in_its_turn(
         return chosen
 
     monkeypatch.setattr(claim, "plan", plan_then_rival)
+    return rivals, taken
+
+
+def test_a_claim_that_keeps_losing_races_to_another_replica_claims_in_its_turn(
+        two_controllers: tuple[Controller, Controller], monkeypatch: pytest.MonkeyPatch) -> None:
+    """As below, with the rival on another Controller of the store (its own pool, its own process-wide locks:
+    another replica). On PostgreSQL the turn of one process's threads does not hold another's, so the claim
+    also holds the store's claim turn (an advisory lock, every claim's write taking it beside the others): it
+    lands on try CONTENDED_AFTER + 1. Before, it lost every race, 30 of them, and gave up."""
+    ctl, replica = two_controllers
+    ctl.create_tenant("rival")
+    rivals, taken = rival_after_each_plan(monkeypatch, replica)
     vm = req(ctl, "a", "A100D-10C", pool="inference")
     for t in rivals:
         t.join()
@@ -424,22 +432,7 @@ def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, mo
     ctl.create_tenant("rival")
     with ctl.engine.begin() as conn:
         conn.execute(update(POOL).where(POOL.c.name == "inference").values(policy=policy))
-    original = claim.plan
     me = threading.get_ident()
-    rivals: list[threading.Thread] = []
-    taken: list[VmInfo] = []
-
-    def plan_then_rival(*args: Any, **kw: Any) -> Any:
-        chosen = original(*args, **kw)
-        if chosen is not None and threading.get_ident() == me:
-            name = f"r{len(rivals)}"
-            t = threading.Thread(target=lambda: taken.append(req(ctl, name, "A100D-10C", tenant="rival",
-                                                                 pool="inference")))
-            rivals.append(t)
-            t.start()
-            t.join(timeout=2)  # done at once, unless it waits for this claim's turn
-        return chosen
-
     turns = ctl.ctx.claim_turn
     held: list[int] = []  # connections out of the pool whenever this thread asks for the turn
     in_turn = [0]
@@ -462,7 +455,7 @@ def test_a_claim_that_keeps_losing_races_claims_in_its_turn(acme: Controller, mo
         if threading.get_ident() == me and in_turn[0]:
             checkouts_in_turn.append(in_turn[0])
 
-    monkeypatch.setattr(claim, "plan", plan_then_rival)
+    rivals, taken = rival_after_each_plan(monkeypatch, ctl)
     monkeypatch.setattr(ctl.ctx, "claim_turn", turn_after_the_connection)
     vm = req(ctl, "a", "A100D-10C", pool="inference")  # only its pinned GPU takes A100D-10C: the rival plans
     for t in rivals:
