@@ -14,7 +14,9 @@ the same request sequence (bench_placement's):
   a create over HTTP is an operation, run by a worker, and provisions the VM on its simulated host, so these
   rows measure the whole create, not the claim alone.
 
-Reported: placements per second of wall clock, p50/p99 latency, ratio to the raw reference, and for the
+Reported: placements per second of wall clock, p50/p99 latency, ratio to the raw reference, what `vgpuctl
+doctor` finds in the phase's store afterwards (any broken invariant is also listed under the table and makes the
+exit status 1), and for the
 allocator how many claims each group commit wrote, how many batches had to be written again claim by claim (a
 claim of the batch lost a race or was refused), and the time per claim spent planning in memory and writing.
 Targets (issue 12): >= 5,000 placements/s through the allocator at 10,000 GPUs with p99 <= 5 ms.
@@ -180,13 +182,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          ("allocator", 1, True),
                                          (f"allocator, {args.clients} callers", args.clients, True)):
             prof = args.profile if allocator and clients > 1 else None
-            rows.append({"phase": name, **phase_claims(*fleet.copy(), reqs, clients, allocator, prof)})
+            url, state = fleet.copy()
+            rows.append({"phase": name, **phase_claims(url, state, reqs, clients, allocator, prof),
+                         "doctor": bench_api.store_problems(url, state)})
         if args.http:
             n = min(len(reqs), args.http)
             for allocator in (False, True):
+                url, state = fleet.copy()
                 rows.append({"phase": f"http create, {'allocator' if allocator else 'store path'}, "
                                       f"{args.clients} clients",
-                             **phase_http(*fleet.copy(), reqs[:n], args.clients, allocator)})
+                             **phase_http(url, state, reqs[:n], args.clients, allocator),
+                             "doctor": bench_api.store_problems(url, state)})
         for r in rows:
             r["ratio_raw"] = r["per_s"] / raw["per_s"] if raw["per_s"] else 0.0
         return {"gpus": args.gpus, "prefill": fleet.fill, "requests": len(reqs), "raw": raw, "rows": rows,
@@ -199,13 +205,14 @@ def render(report: dict[str, Any]) -> str:
     out = [f"{report['gpus']:,} GPUs, pre-filled {100 * report['prefill']:.1f} %, {report['requests']} requests "
            f"({report['store']}); raw sqlite3 claim+quota reference: {raw['per_s']:,.0f}/s", "",
            "| phase | placed | refused | failed | placements/s | p50 ms | p99 ms | ratio to raw | claims per commit "
-           "| batches split | plan ms per claim | write ms per claim |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| batches split | plan ms per claim | write ms per claim | doctor |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         extra = (f"{r['per_batch']:.1f} | {r['split']:.0f} | {r['plan_ms']:.3f} | {r['write_ms']:.3f}"
                  if "per_batch" in r else " | | |")
         out.append(f"| {r['phase']} | {r['created']} | {r['refused']} | {r['failed']} | {r['per_s']:,.0f} | "
-                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {extra} |")
+                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['ratio_raw']:.3f} | {extra} | "
+                   f"{bench_api.doctor_cell(r['doctor'])} |")
     out += failures(report["rows"])
     best = max((r for r in report["rows"] if r["phase"].startswith("allocator")), key=lambda r: r["per_s"])
     ok = best["per_s"] >= 5000 and best["p99_ms"] <= 5
@@ -230,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report = run(args)
     print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0
+    return 1 if any(r["doctor"] for r in report["rows"]) else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ copy of it, so every phase places the same request sequence on the same fleet:
   request is accepted as an operation, run by a worker, answered when done): what a remote tenant gets.
 - http x2: two replicas on the same store, clients alternating between them.
 
-Reported per phase: VMs created per second of wall clock, p50/p99 latency, and the ratio to in-process.
+Reported per phase: VMs created per second of wall clock, p50/p99 latency, the ratio to in-process, and what
+`vgpuctl doctor` finds in the store once the phase is over (a fast phase that breaks an invariant is a bug).
 Target (issue 11): HTTP >= 0.5 of the in-process rate at 10,000 GPUs.
 
 Usage: bench_api.py [--gpus 10000] [--requests 400] [--clients 4] [--backends sqlite,postgres] [--json]
@@ -234,6 +235,16 @@ def phase_http(url: str, state: Path, reqs: Sequence[Req], clients: int, replica
             proc.wait(60)
 
 
+def store_problems(url: str, state: Path) -> dict[str, int]:
+    """The store's invariants that `vgpuctl doctor` finds broken: check name -> problems found (empty: clean)."""
+    from vgpu_ctl.ops.doctor import diagnose
+    ctx = ServiceContext(url, state_path=state)
+    try:
+        return {r.name: len(r.problems) for r in diagnose(Controller(context=ctx)) if r.problems}
+    finally:
+        ctx.close()
+
+
 def _pg_up() -> bool:
     try:
         from sqlalchemy import create_engine, text
@@ -259,12 +270,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             store = Store(backend, Path(d), args.gpus)
             build_s = time.perf_counter() - t0
             try:
-                base = phase_in_process(*store.copy(), reqs, args.clients)
-                rows.append({"backend": backend, "phase": "in-process", "build_s": build_s, **base, "ratio": 1.0})
+                url, state = store.copy()
+                base = phase_in_process(url, state, reqs, args.clients)
+                rows.append({"backend": backend, "phase": "in-process", "build_s": build_s, **base, "ratio": 1.0,
+                             "doctor": store_problems(url, state)})
                 for replicas in (1, 2):
-                    r = phase_http(*store.copy(), reqs, args.clients, replicas)
+                    url, state = store.copy()
+                    r = phase_http(url, state, reqs, args.clients, replicas)
                     rows.append({"backend": backend, "phase": f"http x{replicas}", "build_s": build_s, **r,
-                                 "ratio": r["per_s"] / base["per_s"] if base["per_s"] else 0.0})
+                                 "ratio": r["per_s"] / base["per_s"] if base["per_s"] else 0.0,
+                                 "doctor": store_problems(url, state)})
             finally:
                 store.drop()
     return rows
@@ -274,18 +289,26 @@ def render(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> str:
     """The table (Markdown)."""
     out = [f"VM creates at {args.gpus:,} GPUs, {args.requests} requests, {args.clients} concurrent callers "
            "(simulated hosts; ratio = rate / in-process rate in the same run; target: http >= 0.5)", "",
-           "| store | phase | created | refused | failed | VMs/s | p50 ms | p99 ms | ratio | target |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| store | phase | created | refused | failed | VMs/s | p50 ms | p99 ms | ratio | target | doctor |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         target = "-" if r["phase"] == "in-process" else ("met" if r["ratio"] >= 0.5 else "missed")
         out.append(f"| {r['backend']} | {r['phase']} | {r['created']} | {r['refused']} | {r['failed']} | "
-                   f"{r['per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['ratio']:.2f} | {target} |")
+                   f"{r['per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['ratio']:.2f} | {target} | "
+                   f"{doctor_cell(r.get('doctor', {}))} |")
     return "\n".join(out + failures(rows))
 
 
+def doctor_cell(problems: dict[str, int]) -> str:
+    """What doctor found, for a table cell: `check: problems, ...`, or `clean`."""
+    return ", ".join(f"{name}: {n}" for name, n in sorted(problems.items())) or "clean"
+
+
 def failures(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """A line per phase and error that failed requests (not refusals), with how many."""
-    return [f"  {r['phase']}: {n} failed with {why}" for r in rows for why, n in r.get("errors", {}).items()]
+    """A line per phase and error that failed requests (not refusals), with how many, and one per phase that left
+    the store inconsistent."""
+    return ([f"  {r['phase']}: {n} failed with {why}" for r in rows for why, n in r.get("errors", {}).items()]
+            + [f"  {r['phase']}: doctor found {doctor_cell(r['doctor'])}" for r in rows if r.get("doctor")])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -303,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     rows = run(args)
     print(json.dumps(rows, indent=2) if args.json else render(rows, args))
-    return 0
+    return 1 if any(r["doctor"] for r in rows) else 0
 
 
 if __name__ == "__main__":
