@@ -17,6 +17,8 @@ from sqlalchemy import event
 
 from vgpu_ctl import Controller
 from vgpu_ctl.service.requests import OperationInfo
+from vgpu_ctl.store import migrate
+from vgpu_ctl.store.engine import make_engine
 
 DEMO = Path(__file__).resolve().parent.parent / "inventory" / "demo.yaml"
 BUSY_MS = 200  # the store connections' busy timeout here: a read that waits for the lock fails fast
@@ -101,6 +103,23 @@ def test_controller_reads_while_another_connection_writes(queued: tuple[Controll
     expected = READS[name](ctl, op_id)
     with write_lock_held(path):
         assert READS[name](ctl, op_id) == expected
+
+
+def test_a_store_at_head_opens_while_another_connection_writes(queued: tuple[Controller, Path, str]) -> None:
+    """Opening the store asks whether its schema is at head, as a read: a command starts while a claim writes
+    (before, the question began with BEGIN IMMEDIATE and waited for the writer)."""
+    _ctl, path, _op = queued
+    engine = make_engine(f"sqlite:///{path}")
+
+    @event.listens_for(engine, "connect")
+    def _short_busy(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_MS}")
+
+    try:
+        with write_lock_held(path):
+            assert migrate.at_head(engine)
+    finally:
+        engine.dispose()
 
 
 def test_outside_the_store_a_bare_connection_is_opened_only_to_write() -> None:

@@ -17,6 +17,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from vgpu_ctl.store.engine import READS
+
 if TYPE_CHECKING:
     from alembic.config import Config
 
@@ -73,8 +75,8 @@ def known_revisions() -> set[str]:
 
 def _stored_revisions(engine: Engine) -> list[str] | None:
     """The revisions in the store's `alembic_version` table; None when it has none (a new store)."""
-    try:
-        with engine.connect() as conn:
+    try:  # a read: on SQLite it must not take the write lock (every store open asks this)
+        with engine.connect().execution_options(**{READS: True}) as conn:
             return [str(r[0]) for r in conn.execute(text("SELECT version_num FROM alembic_version"))]
     except DBAPIError:  # no such table: a store that was never migrated
         return None
