@@ -16,9 +16,9 @@ the same request sequence (bench_placement's):
 
 Reported: placements per second of wall clock, p50/p99 latency, ratio to the raw reference, what `vgpuctl
 doctor` finds in the phase's store afterwards (any broken invariant is also listed under the table and makes the
-exit status 1), and for the
-allocator how many claims each group commit wrote, how many batches had to be written again claim by claim (a
-claim of the batch lost a race or was refused), and the time per claim spent planning in memory and writing.
+exit status 1), and for the allocator how many claims each group commit wrote, how many batches had to be
+written again claim by claim (a claim of the batch lost a race or was refused), and the time per claim spent
+planning in memory and writing.
 Targets (issue 12): >= 5,000 placements/s through the allocator at 10,000 GPUs with p99 <= 5 ms.
 `--profile FILE` writes a cProfile of the committer's group commits (allocator, many callers).
 

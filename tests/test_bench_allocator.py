@@ -64,3 +64,17 @@ def test_bench_api_reports_what_doctor_finds_after_a_phase(tmp_path: Path) -> No
     assert table.splitlines()[-1] == "  http x2: doctor found gpu-occupancy: 1"
     assert "| clean |" in bench_api.render([{**row, "doctor": {}}], argparse.Namespace(gpus=64, requests=1,
                                                                                         clients=1))
+
+
+@pytest.mark.parametrize("script", ["bench_api", "bench_allocator"])
+def test_a_bench_that_leaves_the_store_inconsistent_exits_1(script: str, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script(script)
+    row = {"backend": "sqlite", "phase": "allocator", "created": 1, "refused": 0, "failed": 0, "per_s": 1.0,
+           "p50_ms": 1.0, "p99_ms": 1.0, "ratio": 1.0, "ratio_raw": 1.0, "doctor": {"overlaps": 2}}
+    report = {"gpus": 64, "prefill": 0.5, "requests": 1, "raw": {"per_s": 1.0}, "rows": [row], "store": "SQLite"}
+    monkeypatch.setattr(bench, "run", lambda args: [row] if script == "bench_api" else report)
+    assert bench.main([]) == 1
+    assert "allocator: doctor found overlaps: 2" in capsys.readouterr().out
+    row["doctor"] = {}
+    assert bench.main([]) == 0
