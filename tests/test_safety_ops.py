@@ -47,6 +47,7 @@ TAMPERED = {
                         "vm_id VARCHAR, profile VARCHAR, kind VARCHAR, start INTEGER, size INTEGER, "
                         "framebuffer_mib BIGINT, uuid VARCHAR, backing VARCHAR, handle JSON, state VARCHAR)"],
     "no overlap trigger": ["DROP TRIGGER device_no_overlap"],
+    "no layout guard": ["DROP TRIGGER gpu_layout_keeps_devices"],
     "a dropped unique constraint": ["DROP TABLE scoped_quota", "CREATE TABLE scoped_quota (id INTEGER NOT NULL "
                                     "PRIMARY KEY, tenant_id INTEGER NOT NULL, scope VARCHAR NOT NULL, resource "
                                     "VARCHAR NOT NULL, limit_value BIGINT NOT NULL, used BIGINT NOT NULL)"],

@@ -217,6 +217,11 @@ def claim(ctl: Controller, req: VmRequest, dry_run: bool = False) -> ClaimResult
             if why == "name":
                 raise Conflict(f"tenant {req.tenant!r} already has a VM named {req.name!r}",
                                reasons=[{"field": "name", "value": req.name}]) from None
+            if why == "layout":  # a plan read from the store's own layout: it lacks a device, and stays so
+                raise Conflict("the store is inconsistent: a GPU this request was planned on has a layout that "
+                               "lacks a device it holds; `vgpuctl doctor` names it and `vgpuctl reconcile --fix` "
+                               "rewrites its occupancy from its devices",
+                               reasons=[{"check": "gpu-occupancy", "tenant": req.tenant, "name": req.name}]) from None
             time.sleep(0.001 * (attempt + 1))  # a device position taken meanwhile
     raise Conflict("too many concurrent claims on the same GPUs; try again")
 

@@ -331,13 +331,14 @@ def _undo() -> None:
     raise _RolledBack
 
 
-ClaimError = Literal["contended", "idempotency_key", "name", "position"]
+ClaimError = Literal["contended", "idempotency_key", "name", "position", "layout"]
 
 
 def claim_error(exc: BaseException) -> ClaimError | None:
     """What a store error raised by a claim's write means: a lock, deadlock or serialization failure
-    ("contended": try again), a unique idempotency key or VM name taken, a device position held or overlapping;
-    None for anything else (a broken store, another constraint)."""
+    ("contended": try again), a unique idempotency key or VM name taken, a device position held or overlapping,
+    a GPU layout that would drop a device the GPU holds (its stored layout already lacks one); None for anything
+    else (a broken store, another constraint)."""
     if isinstance(exc, OperationalError):
         text = str(exc).lower()
         return "contended" if "lock" in text or "deadlock" in text or "serializ" in text else None
@@ -350,4 +351,6 @@ def claim_error(exc: BaseException) -> ClaimError | None:
         return "name"
     if "overlap" in why or "device_position" in why or "device.gpu_id" in why:
         return "position"
+    if "GPU layout drops a device" in why:
+        return "layout"
     return None
