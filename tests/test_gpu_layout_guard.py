@@ -21,9 +21,7 @@ def _claimed(ctl: Any) -> dict[str, Any]:
     with ctl.read() as conn:
         dev = conn.execute(text("SELECT gpu_id, profile, start, size FROM device WHERE vm_id = :v"),
                            {"v": vm.id}).one()._asdict()
-        gpu = conn.execute(text("SELECT version, layout, device_count, free_units FROM gpu WHERE id = :g"),
-                           {"g": dev["gpu_id"]}).one()._asdict()
-    return {**dev, "gpu": gpu}
+    return {**dev, "gpu": _gpu(ctl, dev["gpu_id"])}
 
 
 def _write(ctl: Any, gpu_id: int, layout: str, device_count: int) -> None:

@@ -171,9 +171,20 @@ def claim_turn_alone(tx: Tx) -> Iterator[None]:
 def share_claim_turn(tx: Tx) -> None:
     """On PostgreSQL, take the claim turn beside the other claims' writes until `tx`'s transaction ends, so that
     none lands while a claim holds it alone (`claim_turn_alone`); sent with what follows inside `sent_together`
-    (the key asked before it, by `_turn_key`). Nothing elsewhere."""
+    (the key asked before it: `_claim_writes`). Nothing elsewhere."""
     if tx.dialect.name == "postgresql":
         _BESIDE.run(tx, {"k": _turn_key(tx)})
+
+
+@contextmanager
+def _claim_writes(tx: Tx) -> Iterator[None]:
+    """The block's statements sent together (`sent_together`), the claim turn shared first (`share_claim_turn`;
+    its key asked before the pipeline, where asking would fail)."""
+    if tx.dialect.name == "postgresql":
+        _turn_key(tx)
+    with sent_together(tx):
+        share_claim_turn(tx)
+        yield
 
 
 ClaimOutcome = Literal["written", "written_scoped", "quota", "host", "group", "gpu"]
@@ -190,10 +201,7 @@ def write_claim(tx: Tx, w: ClaimWrite) -> ClaimOutcome:
     comes first)."""
     checks: list[Callable[[], Any]] = []
     try:
-        if tx.dialect.name == "postgresql":
-            _turn_key(tx)  # asked before the pipeline: inside, it would fail
-        with sent_together(tx):
-            share_claim_turn(tx)
+        with _claim_writes(tx):
             checks.append(charge_tenant_sent(tx, w.tenant_id, w.delta))
             checks.append(claim_host_sent(tx, w.host_id, w.vcpus, w.memory_mib))
             if w.group is not None:
@@ -259,10 +267,7 @@ def write_batch(tx: Tx, w: BatchWrite) -> list[int] | None:
     pool-scoped limits still to charge. A unique name, key or device position taken is raised as the store's
     IntegrityError."""
     tenants = sorted(w.tenants, key=lambda t: t[0])
-    if tx.dialect.name == "postgresql":
-        _turn_key(tx)  # asked before the pipeline: inside, it would fail
-    with sent_together(tx):
-        share_claim_turn(tx)
+    with _claim_writes(tx):
         charged = [charge_tenant_sent(tx, t_id, delta) for t_id, delta in tenants]
         took = [claim_host_sent(tx, *h) for h in sorted(w.hosts)]
         moved = [_WRITE_GPU_AFTER.run(tx, {"g_id": g.gpu_id, "g_version": g.version, "g_claims": g.claims,
